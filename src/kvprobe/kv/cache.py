@@ -1,0 +1,151 @@
+"""The one shim over the transformers Cache (v5 API). Nothing else touches cache internals.
+
+Layout of every K/V tensor handled here::
+
+    keys, values: (B, H_kv, T, D)   # batch, kv heads, cache positions, head dim
+                                    # keys are stored *after* RoPE (and after k-norm where the
+                                    # family has one); values are never rotated.
+
+We always prefill into a plain full-length ``DynamicCache()`` (no config): the model's own cache
+keeps only the last window-1 positions on sliding-window layers, which breaks editing and
+splicing. Attention masking still applies the window, because masks are built from the config.
+
+transformers 5.24 renamed the forward keyword ``past_key_values`` to ``cache`` and returns
+``out.cache``; :data:`CACHE_KWARG` and :func:`forward` hide that difference.
+"""
+
+from __future__ import annotations
+
+import copy as _copy
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+from kvprobe.errors import KvprobeError
+
+
+def _cache_kwarg() -> str:
+    from transformers.models.llama.modeling_llama import LlamaModel
+
+    params = inspect.signature(LlamaModel.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+CACHE_KWARG = _cache_kwarg()
+
+
+def new_cache() -> DynamicCache:
+    """An empty, plain, full-length cache (no sliding-window eviction)."""
+    return DynamicCache()
+
+
+def seq_len(cache: DynamicCache) -> int:
+    return cache.get_seq_length() if len(cache.layers) else 0
+
+
+def n_layers(cache: DynamicCache) -> int:
+    return len(cache.layers)
+
+
+def get_kv(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys, values) of one layer, each (B, H_kv, T, D). The tensors are the cache's own."""
+    lay = cache.layers[layer]
+    return lay.keys, lay.values
+
+
+def set_kv(cache: DynamicCache, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Replace one layer's K/V wholesale; shapes (B, H_kv, T, D) must agree."""
+    assert keys.shape == values.shape[:-1] + keys.shape[-1:] and keys.ndim == 4, (keys.shape, values.shape)
+    lay = cache.layers[layer]
+    lay.keys, lay.values = keys, values
+
+
+def from_tensors(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """A cache holding the given per-layer (keys, values), each (B, H_kv, T, D)."""
+    cache = new_cache()
+    for layer, (k, v) in enumerate(kv):
+        cache.update(k, v, layer)
+    return cache
+
+
+def to_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [get_kv(cache, i) for i in range(n_layers(cache))]
+
+
+def copy(cache: DynamicCache) -> DynamicCache:
+    """A deep copy: edits to it never reach the original."""
+    return from_tensors([(k.clone(), v.clone()) for k, v in to_tensors(cache)])
+
+
+def crop(cache: DynamicCache, length: int) -> DynamicCache:
+    """A new cache with positions [0, length) (views; the original is untouched)."""
+    if not 0 <= length <= seq_len(cache):
+        raise KvprobeError(f"cannot crop a cache of {seq_len(cache)} positions to {length}")
+    return from_tensors([(k[:, :, :length], v[:, :, :length]) for k, v in to_tensors(cache)])
+
+
+def select(cache: DynamicCache, positions: torch.Tensor | list[int]) -> DynamicCache:
+    """A new cache holding only the given positions, in the given order."""
+    idx = torch.as_tensor(positions, dtype=torch.long)
+    return from_tensors([(k[:, :, idx], v[:, :, idx]) for k, v in to_tensors(cache)])
+
+
+def concat(caches: list[DynamicCache], dim: str = "seq") -> DynamicCache:
+    """Concatenate caches along positions (``dim="seq"``) or along the batch (``dim="batch"``)."""
+    axis = {"seq": 2, "batch": 0}[dim]
+    layers = zip(*(to_tensors(c) for c in caches))
+    return from_tensors([(torch.cat([k for k, _ in kv], axis), torch.cat([v for _, v in kv], axis)) for kv in layers])
+
+
+def expand_batch(cache: DynamicCache, batch: int) -> DynamicCache:
+    """Repeat a batch-1 cache ``batch`` times (copies, so each row can be edited on its own)."""
+    return from_tensors([(k.expand(batch, -1, -1, -1).clone(), v.expand(batch, -1, -1, -1).clone())
+                         for k, v in to_tensors(cache)])
+
+
+@torch.no_grad()
+def forward(model, input_ids: torch.Tensor, cache: DynamicCache | None = None,
+            positions: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+            **kwargs):
+    """Run ``input_ids`` (B, T) after ``cache`` (appending to it in place); returns the HF output.
+
+    ``positions`` (B, T) or (T,) are the RoPE positions of the new tokens; by default they
+    continue the cache (``seq_len(cache) + arange(T)``). Masking follows cache *indices*, so a
+    gap in positions (a composed context) is allowed.
+    """
+    if cache is None:
+        cache = new_cache()
+    if input_ids.ndim == 1:
+        input_ids = input_ids[None]
+    if positions is None:
+        start = seq_len(cache)
+        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+    if positions.ndim == 1:
+        positions = positions[None].expand(input_ids.shape[0], -1)
+    out = model(input_ids=input_ids, position_ids=positions, attention_mask=attention_mask,
+                use_cache=True, **{CACHE_KWARG: cache}, **kwargs)
+    return out
+
+
+def output_cache(out) -> DynamicCache:
+    """The cache from a model output, under either transformers' name."""
+    return getattr(out, "cache", None) or out.past_key_values
+
+
+@torch.no_grad()
+def prefill(model, input_ids: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, DynamicCache]:
+    """Prefill ``input_ids`` (T,) or (1, T) into a fresh full-length cache at positions start..
+
+    Returns (logits (1, T, V), cache).
+    """
+    ids = input_ids if input_ids.ndim == 2 else input_ids[None]
+    positions = torch.arange(start, start + ids.shape[1], device=ids.device)
+    cache = new_cache()
+    out = forward(model, ids, cache, positions)
+    return out.logits, cache
+
+
+def deepcopy(cache: DynamicCache) -> DynamicCache:
+    """Alias of :func:`copy` for readers used to ``copy.deepcopy``."""
+    return copy(cache) if n_layers(cache) else _copy.deepcopy(cache)

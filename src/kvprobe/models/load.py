@@ -1,0 +1,141 @@
+"""Model specs -> :class:`LoadedModel`.
+
+A spec is one of: a bundled alias (``kvprobe models``), ``tiny-<family>``, ``toy-<family>``, a
+``.gguf`` path, a local Hugging Face folder, or a Hugging Face hub id (needs a network).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvprobe.errors import KvprobeError
+from kvprobe.models import bundled
+from kvprobe.models.adapter import Adapter
+from kvprobe.models.tiny import build_tiny, tiny_names
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelInfo:
+    """Where a model came from, and its fingerprint (computed lazily; hashing weights takes time)."""
+
+    spec: str
+    family: str
+    source: str  # "bundled", "tiny", "toy", "gguf", "folder", "hub"
+    dtype: str
+    device: str
+    n_params: int
+    note: str = ""
+    _weights_hash: str | None = field(default=None, repr=False)
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for kvprobe: the HF model (eval mode), its tokenizer and family adapter."""
+
+    model: Any
+    tokenizer: Any
+    adapter: Adapter
+    info: ModelInfo
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def config_hash(self) -> str:
+        cfg = self.model.config.to_dict()
+        cfg.pop("transformers_version", None)
+        cfg.pop("_name_or_path", None)
+        return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def weights_hash(self) -> str:
+        """sha256 over every parameter's name, shape, dtype and bytes (memoised)."""
+        if self.info._weights_hash is None:
+            h = hashlib.sha256()
+            for name, p in sorted(self.model.state_dict().items()):
+                h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
+                h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            self.info._weights_hash = h.hexdigest()[:16]
+        return self.info._weights_hash
+
+    def fingerprint(self) -> dict:
+        """Identity of the exact model: config hash, weights hash, tokenizer hash."""
+        vocab = json.dumps(sorted(self.tokenizer.get_vocab().items()), ensure_ascii=True)
+        tok_hash = hashlib.sha256((vocab + str(self.tokenizer.chat_template)).encode()).hexdigest()[:16]
+        return {"spec": self.info.spec, "family": self.info.family, "config_hash": self.config_hash(),
+                "weights_hash": self.weights_hash(), "tokenizer_hash": tok_hash}
+
+
+def _finish(model, tokenizer, spec: str, source: str, dtype: str, device: str, note: str = "") -> LoadedModel:
+    adapter = Adapter.for_config(model.config)
+    adapter.rope_parameters(0)  # refuses unsupported RoPE types at load, not mid-run
+    model = model.to(device=device, dtype=DTYPES[dtype]).eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    info = ModelInfo(spec, adapter.family.family, source, dtype, device, n_params, note)
+    return LoadedModel(model, tokenizer, adapter, info)
+
+
+def _from_folder(path: Path | str, gguf_file: str | None = None, model_class: str | None = None):
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tok = AutoTokenizer.from_pretrained(path, **kwargs)
+    cls = getattr(transformers, model_class) if model_class else AutoModelForCausalLM
+    model = cls.from_pretrained(path, dtype=torch.float32, **kwargs)
+    if gguf_file:  # dequantised already; drop the quantiser so the model behaves as plain fp32
+        model.hf_quantizer = None
+    return model, tok
+
+
+def load_model(spec: str, dtype: str = "float32", device: str = "cpu", progress=lambda s: None) -> LoadedModel:
+    """Load a model spec (see module docstring). Raises :class:`KvprobeError` with the accepted forms."""
+    if dtype not in DTYPES:
+        raise KvprobeError(f"unknown dtype {dtype!r}; accepted: {', '.join(DTYPES)}")
+    if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
+        raise KvprobeError(f"device {device!r} is not available here; accepted: cpu" +
+                           (", cuda" if torch.cuda.is_available() else ""))
+    if spec in tiny_names():
+        model, tok = build_tiny(spec)
+        return _finish(model, tok, spec, "tiny", dtype, device, "random weights: for mechanics only")
+    if spec.startswith("toy-"):
+        from kvprobe.models.toy import load_toy
+
+        model, tok, note = load_toy(spec, progress=progress)
+        return _finish(model, tok, spec, "toy", dtype, device, note)
+    if spec in bundled.BUNDLED:
+        b = bundled.BUNDLED[spec]
+        folder = bundled.fetch(spec, progress)
+        model, tok = _from_folder(folder)
+        return _finish(model, tok, spec, "bundled", dtype, device, b.note)
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise KvprobeError(f"GGUF file not found: {path}")
+        model, tok = _from_folder(path.parent, gguf_file=path.name)
+        return _finish(model, tok, spec, "gguf", dtype, device)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise KvprobeError(f"{path} is not a Hugging Face model folder (no config.json)")
+        model, tok = _from_folder(path)
+        return _finish(model, tok, spec, "folder", dtype, device)
+    looks_like_id = spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
+    if not looks_like_id:
+        raise KvprobeError(f"unknown model {spec!r}; accepted: a bundled alias ({', '.join(bundled.BUNDLED)}), "
+                           f"tiny-<family>, toy-<family>, a .gguf path, a local HF folder, or a hub id org/name")
+    try:
+        model, tok = _from_folder(spec)
+    except OSError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise KvprobeError(f"could not load hub model {spec!r} (no network here?): {first}") from None
+    return _finish(model, tok, spec, "hub", dtype, device)
