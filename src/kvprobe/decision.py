@@ -1,0 +1,28 @@
+"""Reading a decision out of logits: option scores and the answer logit difference.
+
+An option (e.g. "yes") maps to several first-token ids (with and without a leading space, see
+:mod:`kvprobe.datasets.spans`); its score is the max logit over those ids. The decision metric
+``m`` of the paper is ``score(new answer) - score(old answer)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def option_scores(logits: torch.Tensor, option_ids: dict[str, list[int]], options: list[str]) -> torch.Tensor:
+    """(..., V) logits -> (..., n_options) scores, in the order of ``options``."""
+    cols = [logits[..., torch.as_tensor(option_ids[o], device=logits.device)].max(-1).values for o in options]
+    return torch.stack(cols, -1)
+
+
+def logit_diff(logits: torch.Tensor, option_ids: dict[str, list[int]], answer_new: str, answer_old: str) -> torch.Tensor:
+    """m = score(answer_new) - score(answer_old), shape (...)."""
+    s = option_scores(logits, option_ids, [answer_new, answer_old])
+    return s[..., 0] - s[..., 1]
+
+
+def predicted(logits: torch.Tensor, option_ids: dict[str, list[int]], options: list[str]) -> list[str]:
+    """The arg-max option for each leading index of (..., V) logits, flattened."""
+    idx = option_scores(logits, option_ids, options).reshape(-1, len(options)).argmax(-1)
+    return [options[i] for i in idx.tolist()]
