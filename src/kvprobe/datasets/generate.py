@@ -1,0 +1,205 @@
+"""A seeded, deterministic generator of field-edit cases over the paper's gated domains.
+
+Cases go round-robin over the domains. Edits flip yes->no and no->yes equally often, and
+controls hold yes and no equally often, within each domain and overall (to within one case). All
+randomness comes from one ``random.Random(seed)``: the same arguments give the same list.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Sequence
+
+from kvprobe.datasets.domains import CONTROL_FIELDS, DOMAINS, OPTIONS, DecisionField, DomainSpec
+from kvprobe.datasets.render import SCAFFOLD, render_body
+from kvprobe.datasets.schema import POSITIONS, Demo, EditCase
+from kvprobe.errors import KvprobeError
+
+ERRATUM = (
+    "[STATE UPDATE] {field} has just changed to {value}; this overrides any earlier value. Apply the current value."
+)
+SHORT_ERRATUM = "[STATE UPDATE] {field} -> {value}; overrides any earlier value."
+
+
+def erratum_text(field: str, value: str, template: str | None = None) -> str:
+    """The state-update line announcing ``field`` = ``value`` (the paper's template by default)."""
+    return (template or ERRATUM).format(field=field, value=value)
+
+
+def _answer(spec: DecisionField, value: str) -> str:
+    return OPTIONS[0] if value in spec.allow else OPTIONS[1]
+
+
+def _draw(
+    rng: random.Random,
+    spec: DomainSpec,
+    *,
+    case_id: str,
+    control: bool,
+    allow_first: bool,
+    decision: Sequence[DecisionField],
+    control_fields: Sequence[str],
+    fillers: tuple[int, int],
+    positions: Sequence[str],
+    system: bool,
+    cot: bool,
+) -> EditCase:
+    """One case of ``spec``; ``allow_first``: the old (or, for a control, the fixed) value allows."""
+    template = rng.choice(spec.templates)
+    gate = rng.choice(decision)
+    first, second = (gate.allow, gate.deny) if allow_first else (gate.deny, gate.allow)
+    if control:
+        field = rng.choice(control_fields)
+        old, new = rng.sample(CONTROL_FIELDS[field], 2)
+        record = [(gate.name, rng.choice(first))]
+        expected_old = expected_new = _answer(gate, record[0][1])
+    else:
+        field = gate.name
+        old, new = rng.choice(first), rng.choice(second)
+        record = []
+        expected_old, expected_new = _answer(gate, old), _answer(gate, new)
+    others = [name for name in CONTROL_FIELDS if name != field]
+    record += [(name, rng.choice(CONTROL_FIELDS[name])) for name in rng.sample(others, rng.randint(1, 2))]
+    key, pool = rng.choice(spec.record)
+    record.append((key, rng.choice(pool)))
+    rng.shuffle(record)
+    return EditCase(
+        case_id=case_id,
+        domain=spec.name,
+        field=field,
+        old_value=old,
+        new_value=new,
+        control=control,
+        system=template.system if system else None,
+        rule=template.rule.format(field=gate.name, allowed=" or ".join(gate.allow)),
+        fillers=rng.sample(spec.fillers, rng.randint(*fillers)),
+        field_position=rng.choice(positions),
+        context=rng.sample(spec.context, rng.randint(1, 2)),
+        record=record,
+        question=template.question,
+        options=list(OPTIONS),
+        expected_old=expected_old,
+        expected_new=expected_new,
+        template_id=template.id,
+        cot=cot,
+    )
+
+
+def _check_args(
+    n: int, domains: Sequence[str], fields: Sequence[str] | None, controls: float,
+    fillers: tuple[int, int], positions: Sequence[str], few_shot: int,
+) -> None:  # fmt: skip
+    if n < 0:
+        raise KvprobeError(f"n must be >= 0, got {n}")
+    unknown = [d for d in domains if d not in DOMAINS]
+    if unknown or not domains:
+        raise KvprobeError(f"unknown domains {unknown or '(none given)'}; use some of {', '.join(DOMAINS)}")
+    if fields is not None:
+        known = [f.name for d in domains for f in DOMAINS[d].fields] + list(CONTROL_FIELDS)
+        unknown = [f for f in fields if f not in known]
+        if unknown:
+            accepted = ", ".join(dict.fromkeys(known))
+            raise KvprobeError(f"unknown fields {unknown} for these domains; use some of {accepted}")
+    if not 0.0 <= controls <= 1.0:
+        raise KvprobeError(f"controls is a fraction in [0, 1], got {controls}")
+    most = min(len(DOMAINS[d].fillers) for d in domains)
+    if len(fillers) != 2 or not 0 <= fillers[0] <= fillers[1] <= most:
+        raise KvprobeError(f"fillers is a (min, max) count with 0 <= min <= max <= {most}, got {fillers}")
+    bad = [p for p in positions if p not in POSITIONS]
+    if bad or not positions:
+        raise KvprobeError(f"unknown field positions {bad or '(none given)'}; use some of {', '.join(POSITIONS)}")
+    if few_shot < 0:
+        raise KvprobeError(f"few_shot must be >= 0, got {few_shot}")
+
+
+def generate(
+    n: int,
+    seed: int = 0,
+    domains: Sequence[str] | None = None,
+    fields: Sequence[str] | None = None,
+    controls: float = 0.2,
+    fillers: tuple[int, int] = (2, 6),
+    positions: Sequence[str] = POSITIONS,
+    few_shot: int = 0,
+    cot: bool = False,
+    system: bool = True,
+) -> list[EditCase]:
+    """``n`` cases, a fraction ``controls`` of them negative controls (rounded).
+
+    ``fields`` limits which fields are edited (decision fields and/or control fields); a control
+    case still gates on one of its domain's decision fields, held fixed in ``record``.
+    ``fillers`` is the (min, max) number of filler rules; ``few_shot`` demos come from other domains.
+    """
+    names = list(domains) if domains is not None else list(DOMAINS)
+    fillers = tuple(fillers)  # type: ignore[assignment]
+    _check_args(n, names, fields, controls, fillers, positions, few_shot)
+    rng = random.Random(seed)
+    n_control = round(n * controls)
+    flags = [True] * n_control + [False] * (n - n_control)
+    rng.shuffle(flags)
+
+    control_fields = [f for f in CONTROL_FIELDS if fields is None or f in fields]
+    if n_control and not control_fields:
+        accepted = ", ".join(CONTROL_FIELDS)
+        raise KvprobeError(f"controls={controls} needs a control field in fields; use some of {accepted}")
+    decision = {d: [f for f in DOMAINS[d].fields if fields is None or f.name in fields] for d in names}
+    usable = [d for d in names if decision[d]] if n_control < n else names
+    if not usable:
+        raise KvprobeError(f"no decision field of {', '.join(names)} is among fields {list(fields or [])}")
+
+    slots = [(usable[i % len(usable)], control) for i, control in enumerate(flags)]
+    # Alternate the answer along the cases sorted by (control, domain): balanced within each
+    # domain and overall, to within one case.
+    allow_first = [False] * n
+    seen = {True: 0, False: 0}
+    for i in sorted(range(n), key=lambda i: (slots[i][1], usable.index(slots[i][0]), i)):
+        allow_first[i] = seen[slots[i][1]] % 2 == 0
+        seen[slots[i][1]] += 1
+
+    common = {"fillers": fillers, "positions": positions, "system": system}
+    cases = []
+    for i, (name, control) in enumerate(slots):
+        spec = DOMAINS[name]
+        case = _draw(
+            rng, spec, case_id=f"{name}-s{seed}-{i:04d}", control=control, allow_first=allow_first[i],
+            decision=decision[spec.name] or spec.fields, control_fields=control_fields, cot=cot, **common,
+        )  # fmt: skip
+        if few_shot:
+            case = case.model_copy(update={"few_shot": _demos(rng, spec.name, few_shot, common)})
+        cases.append(case)
+    return cases
+
+
+def _demos(rng: random.Random, domain: str, k: int, common: dict) -> list[Demo]:
+    """``k`` solved non-control examples from domains other than ``domain``, answers alternating."""
+    others = [d for d in DOMAINS if d != domain]
+    demos = []
+    for j in range(k):
+        spec = DOMAINS[rng.choice(others)]
+        case = _draw(
+            rng, spec, case_id="demo", control=False, allow_first=j % 2 == 0, decision=spec.fields,
+            control_fields=list(CONTROL_FIELDS), cot=False, **{**common, "system": False},
+        )  # fmt: skip
+        demos.append(Demo(body=render_body(case, case.old_value, system=False), answer=case.expected_old))
+    return demos
+
+
+def vocabulary() -> list[str]:
+    """Every token the generator, the renderer (raw form) and the errata can emit; sorted."""
+    from kvprobe.models.tokenizer import words
+
+    texts: list[str] = ["\n", *SCAFFOLD, *OPTIONS, ERRATUM, SHORT_ERRATUM]
+    for name, pool in CONTROL_FIELDS.items():
+        texts += [name, *pool]
+    for spec in DOMAINS.values():
+        texts += [*spec.fillers, *spec.context]
+        for template in spec.templates:
+            texts += [template.system, template.question]
+            texts += [template.rule.format(field=f.name, allowed=" or ".join(f.allow)) for f in spec.fields]
+        for f in spec.fields:
+            texts += [f.name, *f.allow, *f.deny]
+        for key, pool in spec.record:
+            texts += [key, *pool]
+    texts = [re.sub(r"\{\w+\}", " ", text) for text in texts]  # drop format placeholders
+    return sorted({w for text in texts for w in words(text)})

@@ -1,0 +1,183 @@
+"""Turn an :class:`EditCase` into prompt text, with the field value at a known character span.
+
+Body layout (sections joined by a blank line, lines by a newline)::
+
+    {system}                       # only when the system line is rendered into the body
+    ## Policy
+    {rule}
+    - {filler}                     # fillers before the field (none for "early", half for "middle")
+    ## Record
+    {key}: {value}                 # record lines, with "{field}: {value}" first / middle / last
+    ## Context
+    {context line}
+    ## Notes
+    - {filler}                     # the remaining fillers ("early": all, "late": none)
+    ## Request
+    {question} Answer {a} or {b}.[ Think step by step, then give the answer.]
+
+``field_position`` thus moves the field line and how much filler lies downstream of it. The
+section marks, newlines and punctuation downstream of the field are kept on purpose: they are
+the "aggregator" positions where the model writes its notes about the field.
+
+Forms: ``"chat"`` applies the tokenizer's chat template (system message, few-shot demos as
+earlier user/assistant turns, generation prompt added); ``"raw"`` is plain text ending in
+``"\\nAnswer:"`` with demos as preceding ``"{body}\\nAnswer: {answer}\\n\\n"`` blocks. ``"auto"``
+picks chat when the tokenizer has a chat template.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from jinja2 import TemplateError
+
+from kvprobe.datasets.schema import EditCase
+from kvprobe.errors import KvprobeError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+Form = Literal["chat", "raw"]
+FORMS = ("chat", "raw", "auto")
+
+POLICY = "## Policy"
+RECORD = "## Record"
+CONTEXT = "## Context"
+NOTES = "## Notes"
+REQUEST = "## Request"
+BULLET = "- "
+ANSWER_CUE = "Answer:"
+ANSWER_WITH = "Answer {a} or {b}."
+COT_LINE = "Think step by step, then give the answer."
+# Every fixed string the renderer emits (the generator's vocabulary includes them).
+SCAFFOLD = (POLICY, RECORD, CONTEXT, NOTES, REQUEST, BULLET, ANSWER_CUE, ANSWER_WITH, COT_LINE)
+
+# Stands in for the field value while rendering, to find its offset after any chat template.
+SENTINEL = "@@KVPROBE_FIELD_VALUE@@"
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """Old and new prompt text; the value spans ``[char_start, char_end_old)`` and ``[char_start, char_end_new)``."""
+
+    form: Form
+    text_old: str
+    text_new: str
+    char_start: int
+    char_end_old: int
+    char_end_new: int
+
+
+def _split_at(n: int, position: str) -> int:
+    return {"early": 0, "middle": n // 2, "late": n}[position]
+
+
+def question_text(case: EditCase) -> str:
+    """The question, the options it accepts, and the chain-of-thought cue when ``case.cot``."""
+    text = f"{case.question} {ANSWER_WITH.format(a=case.options[0], b=case.options[1])}"
+    return f"{text} {COT_LINE}" if case.cot else text
+
+
+def render_body(case: EditCase, value: str, *, system: bool = True, erratum: str | None = None) -> str:
+    """The user-visible text with ``value`` in the field line (see the module docstring).
+
+    ``erratum`` (a correction line, see :func:`kvprobe.datasets.erratum_text`) is placed as its own
+    paragraph just before ``## Request``, so everything before it is the unchanged old prompt.
+    """
+    cut = _split_at(len(case.fillers), case.field_position)
+    record = [f"{key}: {val}" for key, val in case.record]
+    record.insert(_split_at(len(record), case.field_position), f"{case.field}: {value}")
+
+    sections = [
+        [POLICY, case.rule, *(BULLET + f for f in case.fillers[:cut])],
+        [RECORD, *record],
+    ]
+    if case.context:
+        sections.append([CONTEXT, *case.context])
+    if case.fillers[cut:]:
+        sections.append([NOTES, *(BULLET + f for f in case.fillers[cut:])])
+    if erratum:
+        sections.append([erratum])
+    sections.append([REQUEST, question_text(case)])
+    body = "\n\n".join("\n".join(lines) for lines in sections)
+    return f"{case.system}\n\n{body}" if system and case.system else body
+
+
+def resolve_form(tokenizer: PreTrainedTokenizerBase | None, form: str) -> Form:
+    """``"auto"`` -> ``"chat"`` when the tokenizer has a chat template, else ``"raw"``."""
+    if form not in FORMS:
+        raise KvprobeError(f"unknown prompt form {form!r}; use one of {', '.join(FORMS)}")
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if form == "auto":
+        return "chat" if has_template else "raw"
+    if form == "chat" and not has_template:
+        name = getattr(tokenizer, "name_or_path", None) or "this tokenizer"
+        raise KvprobeError(f"form 'chat' needs a chat template, and {name} has none; use form 'raw'")
+    return form  # type: ignore[return-value]
+
+
+def _raw(case: EditCase, value: str, erratum: str | None = None) -> str:
+    head = f"{case.system}\n\n" if case.system else ""
+    demos = "".join(f"{d.body}\n{ANSWER_CUE} {d.answer}\n\n" for d in case.few_shot)
+    return f"{head}{demos}{render_body(case, value, system=False, erratum=erratum)}\n{ANSWER_CUE}"
+
+
+def _chat(case: EditCase, tokenizer: PreTrainedTokenizerBase, value: str, erratum: str | None = None) -> str:
+    turns: list[dict[str, str]] = []
+    for demo in case.few_shot:
+        turns += [{"role": "user", "content": demo.body}, {"role": "assistant", "content": demo.answer}]
+    turns.append({"role": "user", "content": render_body(case, value, system=False, erratum=erratum)})
+
+    def apply(messages: list[dict[str, str]]) -> str:
+        # enable_thinking only matters to templates that read it (Qwen3): no thinking block unless CoT.
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, enable_thinking=case.cot
+        )
+
+    try:
+        if case.system:
+            try:
+                return apply([{"role": "system", "content": case.system}, *turns])
+            except TemplateError:
+                # Some templates (Gemma-2) reject a system role: put the line atop the first user turn.
+                first = {"role": "user", "content": f"{case.system}\n\n{turns[0]['content']}"}
+                return apply([first, *turns[1:]])
+        return apply(turns)
+    except TemplateError as err:
+        raise KvprobeError(f"case {case.case_id}: the chat template failed: {err}") from err
+
+
+def render_prompt(
+    case: EditCase, tokenizer: PreTrainedTokenizerBase | None, value: str, form: str = "auto",
+    erratum: str | None = None,
+) -> str:
+    """The full prompt with ``value`` in the field line (``tokenizer`` may be None for ``"raw"``).
+
+    With ``erratum``, the correction paragraph sits just before the request (see :func:`render_body`).
+    """
+    resolved = resolve_form(tokenizer, form)
+    return _raw(case, value, erratum) if resolved == "raw" else _chat(case, tokenizer, value, erratum)
+
+
+def render_pair(case: EditCase, tokenizer: PreTrainedTokenizerBase | None, form: str = "auto") -> RenderedPrompt:
+    """Old and new prompt and the value's character span, found through a unique sentinel.
+
+    Raises ``KvprobeError`` when the rendered prompt lacks the field value (or holds it twice).
+    """
+    resolved = resolve_form(tokenizer, form)
+    text = render_prompt(case, tokenizer, SENTINEL, resolved)
+    count = text.count(SENTINEL)
+    if count != 1:
+        where = "is absent from" if count == 0 else f"occurs {count} times in"
+        raise KvprobeError(f"case {case.case_id}: the value of field '{case.field}' {where} the {resolved} prompt")
+    start = text.index(SENTINEL)
+    head, tail = text[:start], text[start + len(SENTINEL) :]
+    return RenderedPrompt(
+        form=resolved,
+        text_old=head + case.old_value + tail,
+        text_new=head + case.new_value + tail,
+        char_start=start,
+        char_end_old=start + len(case.old_value),
+        char_end_new=start + len(case.new_value),
+    )

@@ -1,0 +1,88 @@
+"""Behavioural validity: does this model's decision actually follow the field?
+
+For every case, prefill the prompt with the old and with the new value and read the decision.
+A decision case is *valid* when the model answers correctly under both values (so the edit
+flips it); a negative-control case is valid when it answers correctly under both (so the edit
+leaves it alone). Probes and edits later run on valid cases only.
+
+The two prompts share every token before the field, so that prefix is prefilled once and the
+two suffixes run as one batch of two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import pandas as pd
+import torch
+
+from kvprobe.datasets import AlignedCase, EditCase, Skip, align
+from kvprobe.decision import logit_diff, option_scores
+from kvprobe.kv import cache as C
+
+CHECK_COLUMNS = ["case_id", "domain", "field", "control", "old_value", "new_value", "expected_old",
+                 "expected_new", "pred_old", "pred_new", "correct_old", "correct_new", "flipped", "m_old",
+                 "m_new", "logit_shift", "valid", "n_tokens"]
+
+
+@torch.no_grad()
+def decision_logits_pair(model, a: AlignedCase) -> torch.Tensor:
+    """Decision logits (2, V) for the old and new prompt, sharing the prefix before the field."""
+    start = a.field[0]
+    ids = torch.tensor([a.ids_old, a.ids_new])
+    cache = None
+    if start > 0:
+        _, cache = C.prefill(model, ids[:1, :start])
+        cache = C.expand_batch(cache, 2)
+    out = C.forward(model, ids[:, start:], cache if cache is not None else C.new_cache(),
+                    positions=torch.arange(start, ids.shape[1]))
+    return out.logits[:, -1]
+
+
+def check_case(model, a: AlignedCase) -> dict:
+    """One row of the validity table for an aligned case."""
+    c = a.case
+    logits = decision_logits_pair(model, a)
+    scores = option_scores(logits, a.option_ids, c.options)
+    pred = [c.options[i] for i in scores.argmax(-1).tolist()]
+    # For controls expected_new == expected_old, so m is measured against the other option.
+    other = next(o for o in c.options if o != c.expected_old)
+    target = c.expected_new if not c.control else other
+    m = logit_diff(logits, a.option_ids, target, c.expected_old).tolist()
+    correct_old, correct_new = pred[0] == c.expected_old, pred[1] == c.expected_new
+    return {
+        "case_id": c.case_id, "domain": c.domain, "field": c.field, "control": c.control,
+        "old_value": c.old_value, "new_value": c.new_value, "expected_old": c.expected_old,
+        "expected_new": c.expected_new, "pred_old": pred[0], "pred_new": pred[1],
+        "correct_old": correct_old, "correct_new": correct_new, "flipped": pred[0] != pred[1],
+        "m_old": m[0], "m_new": m[1], "logit_shift": m[1] - m[0],
+        "valid": correct_old and correct_new, "n_tokens": len(a.ids_old),
+    }
+
+
+def check_cases(lm, cases: Iterable[EditCase], form: str = "auto",
+                on_case: Callable[[int], None] = lambda i: None) -> tuple[pd.DataFrame, list[Skip]]:
+    """Validity rows for every aligned case, and the skipped cases with their reasons."""
+    rows, skipped = [], []
+    for i, case in enumerate(cases):
+        a = align(case, lm.tokenizer, form=form)
+        if isinstance(a, Skip):
+            skipped.append(a)
+        else:
+            rows.append(check_case(lm.model, a))
+        on_case(i)
+    return pd.DataFrame(rows, columns=CHECK_COLUMNS), skipped
+
+
+def summarize(df: pd.DataFrame) -> dict:
+    """Overall figures: accuracy under each value, paired flip rate, mean logit shift, validity."""
+    dec, ctl = df[~df.control], df[df.control]
+    out = {"n_cases": len(df), "n_decision": len(dec), "n_control": len(ctl)}
+    if len(dec):
+        out.update(acc_old=dec.correct_old.mean(), acc_new=dec.correct_new.mean(),
+                   flip_rate=(dec.correct_old & dec.correct_new).mean(),
+                   any_flip_rate=dec.flipped.mean(), mean_logit_shift=dec.logit_shift.mean())
+    if len(ctl):
+        out.update(control_invariance=(~ctl.flipped).mean(), control_mean_abs_shift=ctl.logit_shift.abs().mean())
+    out["n_valid"] = int(df.valid.sum())
+    return out
