@@ -9,7 +9,6 @@ from __future__ import annotations
 import sys
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from kvprobe.errors import KvprobeError
@@ -24,13 +23,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 models_app = typer.Typer(help="List, fetch and inspect models.", invoke_without_command=True)
 app.add_typer(models_app, name="models")
 
-console = Console(width=130) if not sys.stdout.isatty() else Console()
-err_console = Console(stderr=True)
+from kvprobe.cli.common import console, err_console  # noqa: E402
+from kvprobe.cli.data import datasets_app  # noqa: E402
 
-
-def progress_printer(prefix: str = ""):
-    """A progress callback that prints dimmed status lines to stderr."""
-    return lambda msg: err_console.print(f"[dim]{prefix}{msg}[/dim]")
+app.add_typer(datasets_app, name="datasets")
 
 
 @models_app.callback()

@@ -2,7 +2,7 @@
 
 from kvprobe.datasets.domains import CONTROL_FIELDS, DOMAINS, DecisionField, DomainSpec, Template
 from kvprobe.datasets.generate import ERRATUM, SHORT_ERRATUM, erratum_text, generate, vocabulary
-from kvprobe.datasets.io import load_jsonl, save_jsonl
+from kvprobe.datasets.io import load_jsonl, resolve_dataset, save_jsonl
 from kvprobe.datasets.render import RenderedPrompt, render_body, render_pair, render_prompt
 from kvprobe.datasets.schema import POSITIONS, Demo, EditCase
 from kvprobe.datasets.spans import KINDS, AlignedCase, Skip, align
@@ -29,6 +29,7 @@ __all__ = [
     "render_body",
     "render_pair",
     "render_prompt",
+    "resolve_dataset",
     "save_jsonl",
     "vocabulary",
 ]

@@ -67,3 +67,14 @@ def load_jsonl(path: str | Path) -> list[EditCase]:
     if not cases:
         raise KvprobeError(f"{path}: no cases (the file is empty)")
     return cases
+
+
+def resolve_dataset(spec: str | None, n: int | None = None, seed: int = 0, **generate_kwargs) -> list:
+    """Cases from a dataset spec: ``None``/``"default"`` generates ``n`` cases (default 40) with
+    ``seed``; anything else is a JSONL path (its first ``n`` cases when ``n`` is given)."""
+    from kvprobe.datasets.generate import generate
+
+    if spec in (None, "default"):
+        return generate(n or 40, seed=seed, **generate_kwargs)
+    cases = load_jsonl(spec)
+    return cases[:n] if n else cases

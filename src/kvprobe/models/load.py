@@ -20,6 +20,7 @@ from kvprobe.models.adapter import Adapter
 from kvprobe.models.tiny import build_tiny, tiny_names
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ROPE_TOL = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}  # self-check tolerance at shift 37
 
 
 @dataclass
@@ -33,6 +34,8 @@ class ModelInfo:
     device: str
     n_params: int
     note: str = ""
+    rope_check_error: float | None = None  # max |re-rotated - recomputed| key error at load
+    rope_unsupported: str | None = None  # why this model's keys cannot be re-rotated, if so
     _weights_hash: str | None = field(default=None, repr=False)
 
     def as_dict(self) -> dict:
@@ -77,11 +80,18 @@ class LoadedModel:
 
 
 def _finish(model, tokenizer, spec: str, source: str, dtype: str, device: str, note: str = "") -> LoadedModel:
+    from kvprobe.models.rope import self_check
+
     adapter = Adapter.for_config(model.config)
-    adapter.rope_parameters(0)  # refuses unsupported RoPE types at load, not mid-run
     model = model.to(device=device, dtype=DTYPES[dtype]).eval()
     n_params = sum(p.numel() for p in model.parameters())
     info = ModelInfo(spec, adapter.family.family, source, dtype, device, n_params, note)
+    # The re-rotation gate: re-rotated keys must equal keys computed at the new position. A model
+    # whose RoPE we cannot re-rotate still loads (probing needs no re-rotation); composing refuses.
+    try:
+        info.rope_check_error = self_check(model, adapter, tol=ROPE_TOL[dtype])
+    except KvprobeError as exc:
+        info.rope_unsupported = str(exc)
     return LoadedModel(model, tokenizer, adapter, info)
 
 
