@@ -40,3 +40,36 @@ def atomic_write_parquet(df: pd.DataFrame, path: Path | str) -> Path:
 def atomic_write_json(data: dict, path: Path | str) -> Path:
     """Write JSON atomically (sorted keys, indented); returns the path."""
     return _atomic(Path(path), lambda tmp: tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str)))
+
+
+class CaseStore:
+    """Per-case parts of one table, so an interrupted run resumes without redoing finished cases.
+
+    Each finished case is one parquet file ``<folder>/parts/<table>/<case_id>.parquet``, written
+    atomically; :meth:`collect` concatenates them into ``<folder>/<table>.parquet``.
+    """
+
+    def __init__(self, folder: Path | str, table: str):
+        self.folder = Path(folder)
+        self.table = table
+        self.parts = self.folder / "parts" / table
+
+    def _path(self, case_id: str) -> Path:
+        return self.parts / f"{case_id}.parquet"
+
+    def done(self, case_id: str) -> bool:
+        return self._path(case_id).exists()
+
+    def save(self, case_id: str, df: pd.DataFrame) -> Path:
+        return atomic_write_parquet(df, self._path(case_id))
+
+    def load(self, case_id: str) -> pd.DataFrame:
+        return pd.read_parquet(self._path(case_id))
+
+    def collect(self) -> Path:
+        """Concatenate every finished part (sorted by case id) into the table file; returns its path."""
+        files = sorted(self.parts.glob("*.parquet")) if self.parts.exists() else []
+        frames = [pd.read_parquet(f) for f in files]
+        frames = [f for f in frames if len(f)]
+        df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+        return atomic_write_parquet(df, self.folder / f"{self.table}.parquet")

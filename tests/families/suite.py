@@ -89,3 +89,111 @@ class FamilySuite:
         dup = C.copy(cache)
         C.get_kv(dup, 0)[0].zero_()
         assert C.get_kv(cache, 0)[0].abs().sum() > 0
+
+
+class EditSuite:
+    """KV-editor invariants (issue 4), mixed into each family's test class."""
+
+    name: str = ""
+
+    @property
+    def lm(self):
+        return tiny_model(self.name)
+
+    def aligned(self, index: int = 1):
+        from kvprobe.datasets import align, generate
+
+        return align(generate(4, seed=11)[index], self.lm.tokenizer, "raw")
+
+    def _decide(self, ctx, spec):
+        from kvprobe.kv import edit as E
+
+        edited = E.apply(ctx, spec)
+        return E.decide(self.lm, edited)[0], edited
+
+    def test_oracle_equals_fresh_prefill_of_new_prompt(self):
+        from kvprobe.kv import edit as E
+
+        a = self.aligned()
+        ctx = E.make_context(self.lm, a)
+        fresh = self.lm.model(torch.tensor([a.ids_new])).logits[0, -1]
+        logits, edited = self._decide(ctx, "oracle")
+        torch.testing.assert_close(logits, fresh, atol=1e-5, rtol=0)
+        assert edited.recomputed == a.decision_pos
+
+    def test_selective_with_every_downstream_position_equals_oracle(self):
+        from kvprobe.kv import edit as E
+
+        a = self.aligned()
+        ctx = E.make_context(self.lm, a)
+        n_down = a.downstream[1] - a.downstream[0]
+        oracle, _ = self._decide(ctx, "oracle")
+        for ranking in ("random", "recency"):
+            logits, edited = self._decide(ctx, f"selective:{n_down}:{ranking}")
+            assert (logits - oracle).abs().max() <= 1e-5
+        # and the cache itself equals the oracle's, entry by entry
+        full = E.recompute_positions(self.lm, ctx.old_cache, a.ids_new, list(range(a.field[0], a.decision_pos)))
+        _, oracle_cache = C.prefill(self.lm.model, torch.tensor(a.ids_new[: a.decision_pos]))
+        for layer in range(C.n_layers(full)):
+            for x, y in zip(C.get_kv(full, layer), C.get_kv(oracle_cache, layer)):
+                torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
+
+    def test_field_only_leaves_prefix_bit_identical(self):
+        from kvprobe.kv import edit as E
+
+        a = self.aligned()
+        ctx = E.make_context(self.lm, a)
+        edited = E.apply(ctx, "field_only")
+        f0, f1 = a.field
+        for layer in range(C.n_layers(edited.cache)):
+            (k, v), (k0, v0) = C.get_kv(edited.cache, layer), C.get_kv(ctx.old_cache, layer)
+            assert torch.equal(k[:, :, :f0], k0[:, :, :f0]) and torch.equal(v[:, :, :f0], v0[:, :, :f0])
+            assert torch.equal(k[:, :, f1:], k0[:, :, f1:])  # downstream stays stale
+        k, _ = C.get_kv(edited.cache, 0)
+        assert not torch.equal(k[:, :, f0:f1], C.get_kv(ctx.old_cache, 0)[0][:, :, f0:f1])
+        assert edited.recomputed == f1 - f0
+
+    def test_erratum_never_modifies_an_existing_cache_entry(self):
+        from kvprobe.kv import edit as E
+
+        a = self.aligned()
+        ctx = E.make_context(self.lm, a)
+        before = [(k.clone(), v.clone()) for k, v in C.to_tensors(ctx.old_cache)]
+        for spec in ("erratum", "erratum:short"):
+            edited = E.apply(ctx, spec)
+            n = C.seq_len(edited.cache)
+            assert 0 < n <= a.decision_pos
+            E.decide(self.lm, edited)
+            for (k, v), (k0, v0) in zip(C.to_tensors(edited.cache), before):
+                assert torch.equal(k, k0[:, :, :n]) and torch.equal(v, v0[:, :, :n])
+        for (k, v), (k0, v0) in zip(C.to_tensors(ctx.old_cache), before):
+            assert torch.equal(k, k0) and torch.equal(v, v0)
+
+    def test_decide_restores_the_cache_and_cot_matches_greedy_generate(self):
+        from kvprobe.kv import edit as E
+
+        a = self.aligned()
+        ctx = E.make_context(self.lm, a)
+        edited = E.apply(ctx, "oracle")
+        n = C.seq_len(edited.cache)
+        _, text = E.decide(self.lm, edited, cot_tokens=6)
+        assert C.seq_len(edited.cache) == n
+        gen = self.lm.model.generate(torch.tensor([a.ids_new]), max_new_tokens=6, do_sample=False,
+                                     pad_token_id=0, eos_token_id=None)
+        assert text == self.lm.tokenizer.decode(gen[0, len(a.ids_new):])
+
+    def test_bad_inputs_are_refused(self):
+        import pytest
+
+        from kvprobe.errors import KvprobeError
+        from kvprobe.kv import edit as E
+
+        a = self.aligned()
+        ctx = E.make_context(self.lm, a)
+        n_down = a.downstream[1] - a.downstream[0]
+        with pytest.raises(KvprobeError, match="larger than the downstream span"):
+            E.apply(ctx, f"selective:{n_down + 1}:random")
+        with pytest.raises(KvprobeError, match="bad strategy"):
+            E.parse_strategy("selective:4:telepathy")
+        with pytest.raises(KvprobeError, match="longer than the model's window"):
+            E.check_length(self.lm, self.lm.model.config.max_position_embeddings + 1)

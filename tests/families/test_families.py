@@ -1,31 +1,31 @@
 """The invariant suite, once per family (and the llama3-scaled variant)."""
 
-from tests.families.suite import FamilySuite
+from tests.families.suite import EditSuite, FamilySuite
 
 
-class TestLlama(FamilySuite):
+class TestLlama(FamilySuite, EditSuite):
     name = "tiny-llama"
 
 
-class TestLlama3Scaling(FamilySuite):
+class TestLlama3Scaling(FamilySuite, EditSuite):
     name = "tiny-llama3"
 
 
-class TestQwen2(FamilySuite):
+class TestQwen2(FamilySuite, EditSuite):
     name = "tiny-qwen2"
 
 
-class TestQwen3(FamilySuite):
+class TestQwen3(FamilySuite, EditSuite):
     name = "tiny-qwen3"
 
 
-class TestGemma2(FamilySuite):
+class TestGemma2(FamilySuite, EditSuite):
     name = "tiny-gemma2"
 
 
-class TestGemma3(FamilySuite):
+class TestGemma3(FamilySuite, EditSuite):
     name = "tiny-gemma3"
 
 
-class TestMistral(FamilySuite):
+class TestMistral(FamilySuite, EditSuite):
     name = "tiny-mistral"

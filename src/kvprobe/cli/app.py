@@ -26,7 +26,10 @@ app.add_typer(models_app, name="models")
 from kvprobe.cli.common import console, err_console  # noqa: E402
 from kvprobe.cli.data import datasets_app  # noqa: E402
 
+from kvprobe.cli.edit import edit  # noqa: E402
+
 app.add_typer(datasets_app, name="datasets")
+app.command("edit")(edit)
 
 
 @models_app.callback()

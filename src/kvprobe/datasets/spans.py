@@ -104,6 +104,18 @@ def option_ids(tokenizer: PreTrainedTokenizerBase, option: str) -> list[int]:
     return ids
 
 
+def bos_prefix(tokenizer: PreTrainedTokenizerBase, form: str) -> str:
+    """The BOS text prepended to a raw prompt (chat templates write their own), or ""."""
+    if form == "raw" and tokenizer.bos_token and getattr(tokenizer, "add_bos_token", False):
+        return tokenizer.bos_token
+    return ""
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str, form: str) -> list[int]:
+    """Token ids of a rendered prompt, tokenized exactly as :func:`align` does."""
+    return _encode(tokenizer, bos_prefix(tokenizer, form) + text)[0]
+
+
 def align(case: EditCase, tokenizer: PreTrainedTokenizerBase, form: str = "auto") -> AlignedCase | Skip:
     """Tokenize the old and new prompt and locate the field, or say why the case cannot align.
 
@@ -112,9 +124,7 @@ def align(case: EditCase, tokenizer: PreTrainedTokenizerBase, form: str = "auto"
     Raises ``KvprobeError`` when the field value is missing from the prompt or its tokens.
     """
     rendered = render_pair(case, tokenizer, form)
-    bos = ""
-    if rendered.form == "raw" and tokenizer.bos_token and getattr(tokenizer, "add_bos_token", False):
-        bos = tokenizer.bos_token
+    bos = bos_prefix(tokenizer, rendered.form)
     start = rendered.char_start + len(bos)
 
     sides = {}

@@ -149,3 +149,39 @@ def prefill(model, input_ids: torch.Tensor, start: int = 0) -> tuple[torch.Tenso
 def deepcopy(cache: DynamicCache) -> DynamicCache:
     """Alias of :func:`copy` for readers used to ``copy.deepcopy``."""
     return copy(cache) if n_layers(cache) else _copy.deepcopy(cache)
+
+
+@torch.no_grad()
+def masked_forward(lm, input_ids: torch.Tensor, cache: DynamicCache, positions: torch.Tensor,
+                   key_positions: torch.Tensor | None = None, visible: torch.Tensor | None = None, **kwargs):
+    """Run new tokens against ``cache`` under an explicit visibility rule (see :mod:`kvprobe.kv.mask`).
+
+    input_ids, positions: (B, S); key_positions: (B, N) or (N,) RoPE positions of the cache
+    entries (default: their indices); visible: (B, S, N) bool, which cache entries each new token
+    may attend to (default: all, subject to causality by position). The new tokens' K/V are
+    appended to ``cache`` in place, at indices N..N+S-1.
+    """
+    from kvprobe.kv.mask import additive_mask
+
+    if input_ids.ndim == 1:
+        input_ids = input_ids[None]
+    B, S = input_ids.shape
+    if positions.ndim == 1:
+        positions = positions[None].expand(B, -1)
+    N = seq_len(cache)
+    if key_positions is None:
+        key_positions = torch.arange(N, device=input_ids.device)
+    if key_positions.ndim == 1:
+        key_positions = key_positions[None].expand(B, -1)
+    dtype = next(lm.model.parameters()).dtype
+    masks = lm.adapter.attention_masks(
+        lambda window: additive_mask(positions, key_positions, visible, window, dtype))
+    return lm.model(input_ids=input_ids, position_ids=positions, attention_mask=masks, use_cache=True,
+                    **{CACHE_KWARG: cache}, **kwargs)
+
+
+def truncate_(cache: DynamicCache, length: int) -> None:
+    """Drop every entry from index ``length`` on, in place (undoes appends made by a read)."""
+    for layer in range(n_layers(cache)):
+        k, v = get_kv(cache, layer)
+        set_kv(cache, layer, k[:, :, :length], v[:, :, :length])

@@ -166,6 +166,18 @@ class Adapter:
                                f"supported: {', '.join(ROPE_TYPES_SUPPORTED)} (dynamic scaling depends on length and is refused)")
         return params
 
+    def attention_masks(self, build) -> dict | "torch.Tensor":
+        """What this model's forward takes as ``attention_mask`` for a custom mask.
+
+        ``build(window)`` returns a 4D additive mask for a window (None: full attention). Models
+        with per-layer types take a dict by layer type; the others take one tensor (with the
+        window applied when every layer slides, as in Mistral).
+        """
+        if getattr(self.config, "layer_types", None):
+            kinds = set(self.config.layer_types[: self.n_layers])
+            return {kind: build(self.window if kind == "sliding_attention" else None) for kind in kinds}
+        return build(self.window)
+
     @property
     def has_k_norm(self) -> bool:
         return self.family.k_norm is not None

@@ -95,21 +95,29 @@ def _finish(model, tokenizer, spec: str, source: str, dtype: str, device: str, n
     return LoadedModel(model, tokenizer, adapter, info)
 
 
-def _from_folder(path: Path | str, gguf_file: str | None = None, model_class: str | None = None):
+def _from_folder(path: Path | str, gguf_file: str | None = None, model_class: str | None = None,
+                 attn: str = "eager"):
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     tok = AutoTokenizer.from_pretrained(path, **kwargs)
     cls = getattr(transformers, model_class) if model_class else AutoModelForCausalLM
-    model = cls.from_pretrained(path, dtype=torch.float32, **kwargs)
+    model = cls.from_pretrained(path, dtype=torch.float32, attn_implementation=attn, **kwargs)
     if gguf_file:  # dequantised already; drop the quantiser so the model behaves as plain fp32
         model.hf_quantizer = None
     return model, tok
 
 
-def load_model(spec: str, dtype: str = "float32", device: str = "cpu", progress=lambda s: None) -> LoadedModel:
-    """Load a model spec (see module docstring). Raises :class:`KvprobeError` with the accepted forms."""
+def load_model(spec: str, dtype: str = "float32", device: str = "cpu", progress=lambda s: None,
+               attn: str = "eager") -> LoadedModel:
+    """Load a model spec (see module docstring). Raises :class:`KvprobeError` with the accepted forms.
+
+    ``attn`` is the attention implementation: "eager" (default; probes read attention weights and
+    every path computes identically) or "sdpa" (faster on long contexts, used by benchmarks).
+    """
+    if attn not in ("eager", "sdpa"):
+        raise KvprobeError(f"unknown attention implementation {attn!r}; accepted: eager, sdpa")
     if dtype not in DTYPES:
         raise KvprobeError(f"unknown dtype {dtype!r}; accepted: {', '.join(DTYPES)}")
     if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
@@ -126,25 +134,25 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu", progress=
     if spec in bundled.BUNDLED:
         b = bundled.BUNDLED[spec]
         folder = bundled.fetch(spec, progress)
-        model, tok = _from_folder(folder)
+        model, tok = _from_folder(folder, attn=attn)
         return _finish(model, tok, spec, "bundled", dtype, device, b.note)
     path = Path(spec).expanduser()
     if spec.endswith(".gguf"):
         if not path.is_file():
             raise KvprobeError(f"GGUF file not found: {path}")
-        model, tok = _from_folder(path.parent, gguf_file=path.name)
+        model, tok = _from_folder(path.parent, gguf_file=path.name, attn=attn)
         return _finish(model, tok, spec, "gguf", dtype, device)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise KvprobeError(f"{path} is not a Hugging Face model folder (no config.json)")
-        model, tok = _from_folder(path)
+        model, tok = _from_folder(path, attn=attn)
         return _finish(model, tok, spec, "folder", dtype, device)
     looks_like_id = spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
     if not looks_like_id:
         raise KvprobeError(f"unknown model {spec!r}; accepted: a bundled alias ({', '.join(bundled.BUNDLED)}), "
                            f"tiny-<family>, toy-<family>, a .gguf path, a local HF folder, or a hub id org/name")
     try:
-        model, tok = _from_folder(spec)
+        model, tok = _from_folder(spec, attn=attn)
     except OSError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise KvprobeError(f"could not load hub model {spec!r} (no network here?): {first}") from None

@@ -1,0 +1,108 @@
+"""Run edit strategies over a dataset and tabulate them against the oracle (one tidy row per
+case x strategy x CoT setting). Validity comes for free: the stale and oracle reads are the
+model's decisions under the old and the new value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import pandas as pd
+
+from kvprobe.datasets import AlignedCase, EditCase, Skip, align
+from kvprobe.decision import logit_diff, option_scores
+from kvprobe.errors import KvprobeError
+from kvprobe.kv import edit as E
+from kvprobe.metrics import DEFAULT_MIN_FLIP, compare, recovery
+
+DEFAULT_STRATEGIES = ("stale", "field_only", "selective:8:attention", "selective:8:random", "cacheblend:0.15",
+                      "erratum", "field_erratum", "hoist", "oracle")
+
+
+def _targets(case: EditCase) -> tuple[str, str]:
+    """(new-answer option, old-answer option) for m; controls compare against the other option."""
+    if case.control:
+        return next(o for o in case.options if o != case.expected_old), case.expected_old
+    return case.expected_new, case.expected_old
+
+
+def edit_case(lm, a: AlignedCase, strategies: Sequence[E.Strategy], cot_tokens: int = 0,
+              min_flip: float = DEFAULT_MIN_FLIP, ranking=None, seed: int = 0, model_name: str = "") -> pd.DataFrame:
+    """Every strategy on one aligned case, against that case's stale and oracle reads."""
+    case = a.case
+    ctx = E.make_context(lm, a, ranking=ranking, seed=seed)
+    new_ans, old_ans = _targets(case)
+
+    def read(s: E.Strategy):
+        edited = E.apply(ctx, s)
+        logits, text = E.decide(lm, edited, cot_tokens)
+        return edited, logits, text
+
+    base = {name: read(E.parse_strategy(name)) for name in ("stale", "oracle")}
+    stale_logits, oracle_logits = base["stale"][1], base["oracle"][1]
+    m_stale = float(logit_diff(stale_logits, a.option_ids, new_ans, old_ans))
+    m_oracle = float(logit_diff(oracle_logits, a.option_ids, new_ans, old_ans))
+    pred_of = lambda lg: case.options[int(option_scores(lg, a.option_ids, case.options).argmax())]  # noqa: E731
+    pred_oracle = pred_of(oracle_logits)
+    valid = pred_of(stale_logits) == case.expected_old and pred_oracle == case.expected_new
+    rows = []
+    for s in strategies:
+        try:
+            edited, logits, text = base[s.name] if s.label in base else read(s)
+        except KvprobeError as exc:
+            if s.name != "hoist":  # a user error (bad K, too long): stop, do not tabulate
+                raise
+            rows.append({"strategy": s.label, "error": str(exc)})
+            continue
+        m = float(logit_diff(logits, a.option_ids, new_ans, old_ans))
+        pred = pred_of(logits)
+        rows.append({
+            "strategy": s.label, "k": s.k, "ranking": s.ranking, "m": m, "m_stale": m_stale,
+            "m_oracle": m_oracle, "oracle_flip": m_oracle - m_stale,
+            "recovery": recovery(m, m_stale, m_oracle, min_flip), "pred": pred, "pred_oracle": pred_oracle,
+            "agree": pred == pred_oracle, "correct": pred == case.expected_new, **compare(logits, oracle_logits),
+            "tokens_recomputed": float(edited.recomputed), "tokens_total": edited.total,
+            "frac_recomputed": float(edited.recomputed) / edited.total, "wall_s": edited.wall_s,
+            "rewritten_prompt": edited.rewritten_prompt, "generated": text, "error": None,
+        })
+    df = pd.DataFrame(rows)
+    df.insert(0, "model", model_name)
+    df.insert(1, "case_id", case.case_id)
+    for col, value in (("domain", case.domain), ("field", case.field), ("control", case.control),
+                       ("template_id", case.template_id), ("cot", cot_tokens), ("valid", valid),
+                       ("n_tokens", len(a.ids_old))):
+        df[col] = value
+    return df
+
+
+def align_all(lm, cases: Sequence[EditCase], form: str = "auto", cot: bool = False
+              ) -> tuple[list[AlignedCase], list[Skip]]:
+    """Align every case (with the chain-of-thought cue when ``cot``), splitting off the skips."""
+    aligned, skipped = [], []
+    for case in cases:
+        a = align(case.model_copy(update={"cot": cot}) if cot != case.cot else case, lm.tokenizer, form)
+        (skipped if isinstance(a, Skip) else aligned).append(a)
+    return aligned, skipped
+
+
+def run_edits(lm, cases: Sequence[EditCase], strategies: Sequence[str], cot: Sequence[int] = (0,),
+              form: str = "auto", min_flip: float = DEFAULT_MIN_FLIP, ranking=None, seed: int = 0,
+              model_name: str = "", store=None, on_case: Callable[[], None] = lambda: None
+              ) -> tuple[pd.DataFrame, list[Skip]]:
+    """All strategies x CoT settings over the cases; finished cases are kept in ``store`` (resume)."""
+    parsed = [E.parse_strategy(s) for s in strategies]
+    frames, skipped = [], []
+    for cot_tokens in cot:
+        aligned, skips = align_all(lm, cases, form, cot=cot_tokens > 0)
+        skipped += skips
+        for a in aligned:
+            key = f"{a.case.case_id}.cot{cot_tokens}"
+            if store is not None and store.done(key):
+                frames.append(store.load(key))
+            else:
+                df = edit_case(lm, a, parsed, cot_tokens, min_flip, ranking, seed, model_name)
+                if store is not None:
+                    store.save(key, df)
+                frames.append(df)
+            on_case()
+    return (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()), skipped

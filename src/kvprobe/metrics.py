@@ -1,0 +1,69 @@
+"""Decision metrics against the oracle, per case and aggregated with bootstrap CIs.
+
+Per case, with m = score(new answer) - score(old answer) at the decision token:
+
+- ``recovery = (m - m_stale) / (m_oracle - m_stale)``: 0 is stale, 1 is the oracle. The ratio
+  is unstable when the oracle flip is small, so cases with ``|m_oracle - m_stale| < min_flip``
+  get NaN and are counted as excluded; the flip size is always reported beside it;
+- ``agree``: the strategy's arg-max option equals the oracle's;
+- ``cosine`` and ``kl`` (KL(oracle || strategy), nats) over the full next-token distribution.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+DEFAULT_MIN_FLIP = 1.0  # logits; below this the recovery ratio is not reported
+N_BOOT = 2000
+
+
+def compare(logits: torch.Tensor, oracle: torch.Tensor) -> dict:
+    """Cosine and KL(oracle || logits) of two (V,) logit vectors."""
+    logits, oracle = logits.double(), oracle.double()
+    kl = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(oracle, -1), log_target=True, reduction="sum")
+    return {"cosine": float(F.cosine_similarity(logits, oracle, dim=0)), "kl": float(kl)}
+
+
+def recovery(m: float, m_stale: float, m_oracle: float, min_flip: float = DEFAULT_MIN_FLIP) -> float:
+    flip = m_oracle - m_stale
+    return float("nan") if abs(flip) < min_flip else (m - m_stale) / flip
+
+
+def bootstrap_ci(values, n_boot: int = N_BOOT, seed: int = 0, alpha: float = 0.05) -> tuple[float, float]:
+    """Percentile bootstrap CI of the mean (NaNs dropped); (nan, nan) for fewer than 2 values."""
+    x = np.asarray(values, dtype=float)
+    x = x[~np.isnan(x)]
+    if len(x) < 2:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, len(x), (n_boot, len(x)))].mean(1)
+    return float(np.quantile(means, alpha / 2)), float(np.quantile(means, 1 - alpha / 2))
+
+
+def mean_ci(values) -> tuple[float, float, float, int]:
+    """(mean, lo, hi, n) ignoring NaNs."""
+    x = np.asarray(values, dtype=float)
+    x = x[~np.isnan(x)]
+    lo, hi = bootstrap_ci(x)
+    return (float(x.mean()) if len(x) else float("nan")), lo, hi, int(len(x))
+
+
+def summarize_edits(df: pd.DataFrame, by=("strategy", "cot")) -> pd.DataFrame:
+    """One row per group: agreement, recovery (guarded), cosine, KL, cost, each with n and CI."""
+    rows = []
+    for key, g in df.groupby(list(by), sort=False, dropna=False):
+        key = key if isinstance(key, tuple) else (key,)
+        agree = mean_ci(g.agree.astype(float))
+        rec = mean_ci(g.recovery)
+        row = dict(zip(by, key))
+        row.update(n=len(g), agreement=agree[0], agreement_lo=agree[1], agreement_hi=agree[2],
+                   recovery=rec[0], recovery_lo=rec[1], recovery_hi=rec[2], n_recovery=rec[3],
+                   n_excluded_small_flip=int(g.recovery.isna().sum()),
+                   median_oracle_flip=float(g.oracle_flip.abs().median()),
+                   correct=float(g.correct.mean()), cosine=float(g.cosine.mean()), kl=float(g.kl.mean()),
+                   frac_recomputed=float(g.frac_recomputed.mean()), wall_ms=1000 * float(g.wall_s.mean()))
+        rows.append(row)
+    return pd.DataFrame(rows)
