@@ -1,0 +1,103 @@
+"""Locality patching: where does the decision read the field from?
+
+Start from the old prompt's cache, swap the new prompt's K/V in at a set of positions, re-read
+the decision. Sets: nothing (recovers 0), everything (recovers 1), the field span, the whole
+downstream span, the top-k downstream positions by single-position effect, random k downstream
+positions (the control), each single position (the sweep), and the field and downstream spans
+one layer at a time.
+
+Recovery here is per case, ``(m - m_stale) / (m_oracle - m_stale)``; the guard against small
+oracle flips is applied when aggregating (``m_stale``/``m_oracle`` ride along in every row).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from kvprobe.datasets import AlignedCase
+from kvprobe.decision import logit_diff, option_scores
+from kvprobe.probes.base import register, region_of, rows
+from kvprobe.probes.engine import PairCaches, Patch, patched_reads
+
+TOP_KS = (1, 4, 8, 16, 32, 128)
+
+
+def targets(a: AlignedCase) -> tuple[str, str]:
+    """(new answer, old answer) options for m; controls use the other option."""
+    c = a.case
+    if c.control:
+        return next(o for o in c.options if o != c.expected_old), c.expected_old
+    return c.expected_new, c.expected_old
+
+
+@register
+@dataclass(frozen=True)
+class Locality:
+    name = "locality"
+    ks: tuple[int, ...] = TOP_KS
+    n_random: int = 3  # random-k draws per k
+    per_layer: bool = True
+    seed: int = 0
+    model_name: str = ""
+
+    def sets(self, a: AlignedCase, effects: torch.Tensor | None) -> list[tuple[str, int | None, Patch]]:
+        """The named patch sets for one case (after the sweep gave single-position effects)."""
+        D, (f0, f1), (d0, d1) = a.decision_pos, a.field, a.downstream
+        out = [("none", None, Patch(())), ("all", None, Patch(tuple(range(D)))),
+               ("field", None, Patch(tuple(range(f0, f1)))), ("downstream", None, Patch(tuple(range(d0, d1))))]
+        down = list(range(d0, d1))
+        rng = random.Random(f"{self.seed}:{a.case.case_id}")
+        for k in self.ks:
+            if k > len(down):
+                continue
+            if effects is not None:
+                order = sorted(down, key=lambda p: -float(effects[p]))
+                out.append(("topk", k, Patch(tuple(sorted(order[:k])))))
+            for _ in range(self.n_random):
+                out.append(("randomk", k, Patch(tuple(sorted(rng.sample(down, k))))))
+        return out
+
+    def run(self, lm, pairs: Sequence[AlignedCase]) -> pd.DataFrame:
+        frames = [self.run_case(lm, a) for a in pairs]
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+    def run_case(self, lm, a: AlignedCase, pc: PairCaches | None = None) -> pd.DataFrame:
+        pc = pc or PairCaches.build(lm, a)
+        new_ans, old_ans = targets(a)
+        D = a.decision_pos
+        m_of = lambda lg: logit_diff(lg, a.option_ids, new_ans, old_ans)  # noqa: E731
+        # clean reads: stale (nothing patched) and oracle (everything patched)
+        ends = m_of(patched_reads(lm, pc, [Patch(()), Patch(tuple(range(D)))]))
+        m_stale, m_oracle = float(ends[0]), float(ends[1])
+        flip = m_oracle - m_stale
+        # the sweep: every single position, one batched read each
+        sweep = m_of(patched_reads(lm, pc, [Patch((p,)) for p in range(D)]))
+        effects = sweep - m_stale  # (D,)
+        records = [{"position": p, "region": region_of(a, p), "metric": "effect", "value": float(effects[p]),
+                    "set": "single", "k": 1, "kind": a.kinds[p]} for p in range(D)]
+        # named sets, plus field/downstream per layer
+        named = self.sets(a, effects)
+        if self.per_layer:
+            n_layers = lm.adapter.n_layers
+            for region, span in (("field", a.field), ("downstream", a.downstream)):
+                named += [(f"{region}@layer", None, Patch(tuple(range(*span)), (layer,))) for layer in range(n_layers)]
+        logits = patched_reads(lm, pc, [p for _, _, p in named])
+        ms = m_of(logits)
+        oracle_pred = a.case.options[int(option_scores(logits[1], a.option_ids, a.case.options).argmax())]
+        preds = option_scores(logits, a.option_ids, a.case.options).argmax(-1).tolist()
+        for (name, k, patch), m, pred in zip(named, ms.tolist(), preds):
+            layer = patch.layers[0] if patch.layers else None
+            rec = (m - m_stale) / flip if flip else float("nan")
+            agree = float(a.case.options[pred] == oracle_pred)
+            for metric, value in (("m", m), ("recovery", rec), ("agree", agree)):
+                records.append({"layer": layer, "region": name.split("@")[0], "metric": metric, "value": value,
+                                "set": name, "k": k})
+        df = rows(self.model_name, a.case.case_id, self.name, records)
+        df["m_stale"], df["m_oracle"], df["oracle_flip"] = m_stale, m_oracle, flip
+        df["control"], df["n_positions"] = a.case.control, D
+        return df
