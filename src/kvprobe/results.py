@@ -16,6 +16,14 @@ import pandas as pd
 MANIFEST = "manifest.json"
 VALIDITY = "validity.parquet"
 EDITS = "edits.parquet"
+LOCALITY = "locality.parquet"
+CONCENTRATION = "concentration.parquet"
+ATTENTION = "attention.parquet"
+LINEAR = "linear.parquet"
+KNOCKOUT = "knockout.parquet"
+COMPOSE = "compose.parquet"
+RANKING_RULE = "ranking_rule.json"
+REPORT = "report.html"
 
 
 def _atomic(path: Path, write) -> Path:

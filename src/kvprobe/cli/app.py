@@ -27,9 +27,12 @@ from kvprobe.cli.common import console, err_console  # noqa: E402
 from kvprobe.cli.data import datasets_app  # noqa: E402
 
 from kvprobe.cli.edit import edit  # noqa: E402
+from kvprobe.cli.run import export_topk, run  # noqa: E402
 
 app.add_typer(datasets_app, name="datasets")
 app.command("edit")(edit)
+app.command("run")(run)
+app.command("export-topk")(export_topk)
 
 
 @models_app.callback()

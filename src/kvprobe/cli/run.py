@@ -1,0 +1,98 @@
+"""``kvprobe run`` and ``kvprobe export-topk``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from kvprobe.cli.common import console, err_console, load_with_status, progress_bar
+
+
+def _csv(value: str | None, cast=str) -> list | None:
+    return None if value is None else [cast(v.strip()) for v in value.split(",") if v.strip()]
+
+
+def run(model: str | None = typer.Option(None, help="model spec (default: the bundled default model)"),
+        dataset: str | None = typer.Option(None, help="'default' (generated) or a JSONL file of cases"),
+        probes: str | None = typer.Option(None, help="comma-separated: locality,attention,knockout,linear"),
+        strategies: str | None = typer.Option(None, help="comma-separated edit strategy specs"),
+        n: int | None = typer.Option(None, min=1, help="cases"), seed: int | None = None,
+        cot: str | None = typer.Option(None, help="comma-separated CoT token budgets, e.g. 0,64"),
+        config: Path | None = typer.Option(None, help="a YAML RunConfig; flags override it"),
+        out: Path | None = typer.Option(None, help="results folder (default results/<model>)"),
+        report: bool = typer.Option(True, help="write report.html at the end")) -> None:
+    """Validity, the four probes, every edit strategy and the top-K export, into one results folder.
+
+    An interrupted run resumes from where it stopped when run again with the same --out.
+    """
+    from pydantic import ValidationError
+
+    from kvprobe.errors import KvprobeError
+    from kvprobe.pipeline import RunConfig, run as run_pipeline
+
+    overrides = {k: v for k, v in {
+        "model": model, "dataset": dataset, "probes": _csv(probes), "strategies": _csv(strategies), "n": n,
+        "seed": seed, "cot": _csv(cot, int) if cot else None}.items() if v is not None}
+    try:
+        cfg = RunConfig.from_yaml(config, **overrides) if config else RunConfig(**overrides)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise KvprobeError(f"bad run option {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    except ValueError as exc:
+        raise KvprobeError(f"bad run option: {exc}") from None
+    out = out or Path("results") / cfg.model.replace("/", "_")
+    lm = load_with_status(cfg.model, cfg.dtype, cfg.device)
+    with progress_bar() as bar:
+        tasks = {}
+
+        def progress(stage: str, total: int):
+            tasks[stage] = bar.add_task(stage, total=total)
+            return lambda: bar.advance(tasks[stage])
+
+        manifest = run_pipeline(cfg, out, progress=progress, lm=lm)
+    c = manifest["counts"]
+    console.print(f"{cfg.model}: {c['valid_decision']} valid decision cases of {c['aligned']} aligned "
+                  f"({c['skipped']} skipped, {c['invalid']} invalid); results in {out} "
+                  f"({manifest['wall_s']['total']:.0f} s)")
+    _print_headline(out)
+    if report:
+        try:
+            from kvprobe.reports.render import render_report
+        except ImportError:
+            err_console.print("[dim]no report renderer installed yet; tables and manifest are written[/dim]")
+        else:
+            path = render_report([out], out / "report.html")
+            console.print(f"report: {path}")
+
+
+def _print_headline(out: Path) -> None:
+    import pandas as pd
+
+    from kvprobe.cli.edit import print_summary
+    from kvprobe.results import EDITS
+
+    if (out / EDITS).exists():
+        df = pd.read_parquet(out / EDITS)
+        print_summary(df[~df.strategy.str.startswith("selective:")], False, str(out))
+    topk = out / "topk.yaml"
+    if topk.exists():
+        import yaml
+
+        cfg = yaml.safe_load(topk.read_text())
+        if cfg.get("k_star") is not None:
+            console.print(f"K* = {cfg['k_star']} (agreement {cfg['agreement']:.2f}, 95% CI {cfg['agreement_ci95']}, "
+                          f"n={cfg['n_cases']}); {topk}")
+        else:
+            console.print(f"K*: none. {cfg.get('reason')}; {topk}")
+
+
+def export_topk(results_dir: Path = typer.Argument(..., help="a kvprobe run results folder"),
+                out: Path | None = typer.Option(None, help="YAML path (default RESULTS_DIR/topk.yaml)"),
+                threshold: float = typer.Option(0.95, help="agreement with the oracle that K* must reach")) -> None:
+    """Write the per-model top-K YAML (K*, ranking rule, token kinds, fingerprint) for serving."""
+    from kvprobe.export import export_topk as export
+
+    path = export(results_dir, out, threshold)
+    console.print(f"wrote {path}")
+    console.print(path.read_text(), markup=False, highlight=False)

@@ -1,0 +1,300 @@
+"""``kvprobe run``: validity, probes, the editor and the top-K export, into one results folder.
+
+Stages, each resumable (per-case parts are kept under ``parts/``; a finished table is not
+recomputed)::
+
+    validity     prefill every case with both values; keep the valid ones
+    locality     single-position sweep and named patch sets, per valid decision case
+    attention    the decision token's attention shares
+    knockout     attention-edge knockout and head patching
+    linear       linear probes across cases (write depth, commit depth)
+    ranking      learn the causal ranking rule on half of the valid cases
+    edits        every strategy on the valid cases; selective(K) sweeps on the held-out half
+    topk         K* and the per-model YAML
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kvprobe.datasets import ERRATUM, Skip, align, resolve_dataset
+from kvprobe.editing import DEFAULT_STRATEGIES, edit_case
+from kvprobe.errors import KvprobeError
+from kvprobe.kv.edit import RANKINGS, parse_strategy
+from kvprobe.results import (ATTENTION, CONCENTRATION, EDITS, KNOCKOUT, LINEAR, LOCALITY, MANIFEST, RANKING_RULE,
+                             VALIDITY, CaseStore, atomic_write_json, atomic_write_parquet)
+
+DEFAULT_MODEL = "toy-qwen2"
+ALL_PROBES = ("locality", "attention", "knockout", "linear")
+
+
+class RunConfig(BaseModel):
+    """Everything that defines a run (loadable from YAML; unknown keys are errors)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = DEFAULT_MODEL
+    dataset: str = "default"
+    n: int = Field(40, ge=1)
+    seed: int = 0
+    form: str = "auto"
+    few_shot: int = Field(0, ge=0)
+    probes: list[str] = list(ALL_PROBES)
+    strategies: list[str] = list(DEFAULT_STRATEGIES)
+    ks: list[int] = [1, 2, 4, 8, 16, 32, 64, 128]
+    rankings: list[str] = ["causal", "random", "attention"]
+    cot: list[int] = [0]
+    min_flip: float = Field(1.0, ge=0)
+    holdout: float = Field(0.5, gt=0, lt=1)
+    erratum_template: str = ERRATUM
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    @field_validator("probes")
+    @classmethod
+    def _probes(cls, v: list[str]) -> list[str]:
+        bad = [p for p in v if p not in ALL_PROBES]
+        if bad:
+            raise ValueError(f"unknown probe(s) {bad}; accepted: {', '.join(ALL_PROBES)}")
+        return v
+
+    @field_validator("strategies")
+    @classmethod
+    def _strategies(cls, v: list[str]) -> list[str]:
+        for s in v:
+            parse_strategy(s)
+        return v
+
+    @field_validator("rankings")
+    @classmethod
+    def _rankings(cls, v: list[str]) -> list[str]:
+        bad = [r for r in v if r not in RANKINGS]
+        if bad:
+            raise ValueError(f"unknown ranking(s) {bad}; accepted: {', '.join(RANKINGS)}")
+        return v
+
+    @classmethod
+    def from_yaml(cls, path: Path | str, **overrides) -> "RunConfig":
+        from pydantic import ValidationError
+
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise KvprobeError(f"config file not found: {path}") from None
+        except yaml.YAMLError as exc:
+            raise KvprobeError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        try:
+            return cls(**{**data, **overrides})
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            raise KvprobeError(f"{path}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("kvprobe", "torch", "transformers", "pandas", "scikit-learn", "numpy"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def split_holdout(case_ids: list[str], fraction: float, seed: int) -> tuple[list[str], list[str]]:
+    """Deterministic split by hashed case id: (ranking cases, held-out cases); both non-empty when possible."""
+    keyed = sorted(case_ids, key=lambda c: hashlib.sha256(f"{seed}:{c}".encode()).hexdigest())
+    n_hold = min(len(keyed) - 1, max(1, round(fraction * len(keyed)))) if len(keyed) > 1 else 0
+    return sorted(keyed[n_hold:]), sorted(keyed[:n_hold])
+
+
+class Stages:
+    """Timing and progress of the stages of one run."""
+
+    def __init__(self, progress: Callable[[str, int], Callable[[], None]]):
+        self.progress = progress
+        self.wall: dict[str, float] = {}
+
+    def run(self, name: str, fn):
+        start = time.perf_counter()
+        out = fn()
+        self.wall[name] = round(time.perf_counter() - start, 2)
+        return out
+
+
+def _per_case(store: CaseStore, items, fn, tick) -> pd.DataFrame:
+    frames = []
+    for key, item in items:
+        if store.done(key):
+            frames.append(store.load(key))
+        else:
+            df = fn(item)
+            store.save(key, df)
+            frames.append(df)
+        tick()
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
+    """Run everything ``cfg`` asks for into ``out``; returns the manifest."""
+    from kvprobe.models import load_model
+    from kvprobe.validity import check_case, summarize
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config_path = out / "config.json"
+    if config_path.exists():
+        previous = json.loads(config_path.read_text())
+        if previous != cfg.model_dump():
+            raise KvprobeError(f"{out} holds a run with a different configuration; choose another --out or remove it")
+    else:
+        atomic_write_json(cfg.model_dump(), config_path)
+    progress = progress or (lambda name, total: (lambda: None))
+    stages = Stages(progress)
+    t0 = time.perf_counter()
+
+    lm = lm or stages.run("load", lambda: load_model(cfg.model, dtype=cfg.dtype, device=cfg.device))
+    name = cfg.model
+    kwargs = {"few_shot": cfg.few_shot} if cfg.dataset == "default" else {}
+    cases = resolve_dataset(cfg.dataset, n=cfg.n, seed=cfg.seed, **kwargs)
+    aligned, skipped = {}, []
+    for case in cases:
+        a = align(case, lm.tokenizer, cfg.form)
+        if isinstance(a, Skip):
+            skipped.append(a)
+        else:
+            aligned[case.case_id] = a
+
+    # validity
+    tick = progress("validity", len(aligned))
+    validity = stages.run("validity", lambda: _per_case(
+        CaseStore(out, "validity"), aligned.items(), lambda a: pd.DataFrame([check_case(lm.model, a)]), tick))
+    atomic_write_parquet(validity, out / VALIDITY)
+    valid_ids = sorted(validity[validity.valid & ~validity.control].case_id) if len(validity) else []
+    control_ids = sorted(validity[validity.valid & validity.control].case_id) if len(validity) else []
+    if not valid_ids:
+        raise KvprobeError(f"{name} answered no decision case correctly under both values "
+                           f"({len(aligned)} aligned cases); the probes need a model that decides by the field")
+    valid = [aligned[c] for c in valid_ids]
+    rank_ids, held_ids = split_holdout(valid_ids, cfg.holdout, cfg.seed)
+
+    tables: dict[str, pd.DataFrame] = {}
+    locality = pd.DataFrame()
+    if "locality" in cfg.probes:
+        from kvprobe.probes.locality import Locality
+
+        probe = Locality(seed=cfg.seed, model_name=name)
+        tick = progress("locality", len(valid))
+        locality = stages.run("locality", lambda: _per_case(
+            CaseStore(out, "locality"), [(a.case.case_id, a) for a in valid], lambda a: probe.run_case(lm, a), tick))
+        atomic_write_parquet(locality, out / LOCALITY)
+        from kvprobe.probes.concentration import concentration
+
+        tables[CONCENTRATION] = concentration(locality)
+    if "attention" in cfg.probes:
+        from kvprobe.probes.attention import AttentionShares
+
+        probe = AttentionShares(model_name=name)
+        tick = progress("attention", len(valid))
+        tables[ATTENTION] = stages.run("attention", lambda: _per_case(
+            CaseStore(out, "attention"), [(a.case.case_id, a) for a in valid], lambda a: probe.run(lm, [a]), tick))
+    notes = top_notes(locality, k=8)
+    if "knockout" in cfg.probes:
+        from kvprobe.probes.knockout import knockout_probes
+
+        probes = knockout_probes(model_name=name, notes=notes, seed=cfg.seed)
+        tick = progress("knockout", len(valid))
+        tables[KNOCKOUT] = stages.run("knockout", lambda: _per_case(
+            CaseStore(out, "knockout"), [(a.case.case_id, a) for a in valid],
+            lambda a: pd.concat([p.run(lm, [a]) for p in probes], ignore_index=True), tick))
+    if "linear" in cfg.probes:
+        from kvprobe.probes.linear import LinearProbe
+
+        if (out / LINEAR).exists():
+            tables[LINEAR] = pd.read_parquet(out / LINEAR)
+        else:
+            tick = progress("linear", 1)
+            tables[LINEAR] = stages.run("linear", lambda: LinearProbe(model_name=name, notes=notes or None)
+                                        .run(lm, valid))
+            tick()
+    for file, df in tables.items():
+        atomic_write_parquet(df, out / file)
+
+    # the causal ranking rule, learned on the ranking half only
+    from kvprobe.export import export_topk, kinds_of_top
+    from kvprobe.ranking import fit_rule
+
+    rule = fit_rule(locality, {c: aligned[c] for c in rank_ids}, cfg.min_flip) if len(locality) else None
+    held = [aligned[c] for c in held_ids]
+    max_down = max((a.downstream[1] - a.downstream[0] for a in valid), default=0)
+    if rule is not None:
+        atomic_write_json({"rule": rule.as_dict(), "ranking_cases": rank_ids, "held_out_cases": held_ids,
+                           "kinds_at_top": kinds_of_top(rule, held, 8), "max_downstream": max_down},
+                          out / RANKING_RULE)
+
+    # the editor: every strategy on the valid cases (+ controls), the K sweep on the held-out half
+    base = [parse_strategy(s) for s in cfg.strategies]
+    rankings = [r for r in cfg.rankings if r != "causal" or rule is not None]
+    edit_items = [(f"{a.case.case_id}.cot{c}", (a, c)) for a in valid + [aligned[i] for i in control_ids]
+                  for c in cfg.cot]
+    tick = progress("edits", len(edit_items) + len(held))
+
+    def edit_one(item):
+        a, cot = item
+        strategies = list(base)
+        if a.case.case_id in set(held_ids) and cot == 0:
+            n_down = a.downstream[1] - a.downstream[0]
+            strategies += [parse_strategy(f"selective:{k}:{r}") for k in cfg.ks if k <= n_down for r in rankings]
+        case = a if cot == 0 else align(a.case.model_copy(update={"cot": True}), lm.tokenizer, cfg.form)
+        if isinstance(case, Skip):
+            return pd.DataFrame()
+        return edit_case(lm, case, strategies, cot, cfg.min_flip, ranking=rule, seed=cfg.seed, model_name=name)
+
+    edits = stages.run("edits", lambda: _per_case(CaseStore(out, "edits"), edit_items, edit_one, tick))
+    atomic_write_parquet(edits, out / EDITS)
+
+    manifest = {
+        "kvprobe_run": 1, "config": cfg.model_dump(), "model": lm.fingerprint(), "model_info": lm.info.as_dict(),
+        "n_layers": lm.adapter.n_layers, "n_heads": lm.adapter.n_heads, "n_kv_heads": lm.adapter.n_kv_heads,
+        "versions": _versions(), "seed": cfg.seed,
+        "counts": {"cases": len(cases), "aligned": len(aligned), "valid_decision": len(valid_ids),
+                   "valid_control": len(control_ids), "ranking_cases": len(rank_ids), "held_out_cases": len(held_ids),
+                   "skipped": len(skipped), "invalid": len(aligned) - len(valid_ids) - len(control_ids)},
+        "skipped": [{"case_id": s.case_id, "reason": s.reason} for s in skipped],
+        "invalid_reasons": _invalid_reasons(validity),
+        "validity": summarize(validity) if len(validity) else {},
+        "tables": sorted(p.name for p in out.glob("*.parquet")),
+        "wall_s": {**stages.wall, "total": round(time.perf_counter() - t0, 2)},
+    }
+    atomic_write_json(manifest, out / MANIFEST)
+    if rule is not None:
+        export_topk(out)
+    return manifest
+
+
+def _invalid_reasons(validity: pd.DataFrame) -> dict:
+    if validity.empty:
+        return {}
+    bad = validity[~validity.valid]
+    reasons = (bad.correct_old.map({True: "", False: "wrong under old value"}) + " " +
+               bad.correct_new.map({True: "", False: "wrong under new value"})).str.strip()
+    return reasons.value_counts().to_dict()
+
+
+def top_notes(locality: pd.DataFrame, k: int = 8) -> dict[str, list[int]]:
+    """Per case, the k downstream positions with the largest single-position patch effect (the notes)."""
+    if locality.empty:
+        return {}
+    sweep = locality[(locality.metric == "effect") & (locality.set == "single") & (locality.region == "downstream")]
+    sweep = sweep.assign(signed=sweep.value * sweep.oracle_flip.map(lambda f: 1.0 if f >= 0 else -1.0))
+    return {c: g.nlargest(k, "signed").position.astype(int).tolist() for c, g in sweep.groupby("case_id")}

@@ -1,0 +1,391 @@
+"""The read circuit at the decision token: attention-edge knockout and head-output patching.
+
+Two probes, both reading the decision token (position D) against a cache of positions [0, D):
+
+- :class:`EdgeKnockout` ("edge_knockout") hides cache entries from the decision token, on all
+  layers or on a band of layers (thirds of depth, or single layers), and reports how the decision
+  moves: the top-k notes (downstream positions ranked by single-position K/V patch effect), the
+  field span, and k random downstream positions (the control). It does this on the old (stale)
+  cache and on the new (oracle) cache, each against its own unablated read.
+
+  What the numbers mean. On the *old* cache the notes carry the old value's consequences; if the
+  decision reads them, hiding them must move it: ``flip`` is 1 when the arg-max option differs
+  from the unablated stale read, and ``dm = m - m_stale`` > 0 means it moved toward the new
+  answer (m = score(new answer) - score(old answer)). This is the paper's "masking the decision
+  token's attention to the stale notes flips the decision". It does not claim the decision lands
+  on the *new* answer: without notes the model falls back on whatever else it reads. On the
+  *new* cache the same knockout hides the fresh notes; there ``dm = m - m_oracle`` < 0 means the
+  decision lost its new-value evidence. Random-k knockouts are the specificity control.
+
+- :class:`HeadPatch` ("head_patch") patches attention-head *outputs* at the decision token: read
+  from the old cache, and replace head h of layer l's slice of the o_proj input (the
+  concatenated per-head outputs, (B, 1, n_heads * head_dim), head h = ``h*hd:(h+1)*hd``) with
+  the value it takes when the decision token reads the new cache. One batched read gives every
+  (layer, head); then the top-n heads together against random sets of n heads, and all heads.
+  Recovery is ``(m - m_stale) / (m_oracle - m_stale)``. Heads are *query* heads (what o_proj
+  sees), n_heads of them per layer even under GQA.
+
+Both work through hooks on the adapter's modules, installed only inside context managers that
+remove them in ``finally``: :func:`attention_knockout` (a forward pre-hook on each chosen
+layer's attention module that edits its ``attention_mask`` keyword) and :func:`head_patching`
+(a forward pre-hook on each chosen layer's o_proj). Reads go through
+:func:`kvprobe.kv.cache.masked_forward`, so every layer receives an explicit 4D additive mask
+that already carries causality and the sliding window; the knockout only adds hidden columns.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+from transformers import DynamicCache
+
+from kvprobe.datasets import AlignedCase
+from kvprobe.decision import logit_diff, option_scores
+from kvprobe.errors import KvprobeError
+from kvprobe.kv import cache as C
+from kvprobe.probes.base import register, rows
+from kvprobe.probes.engine import DEFAULT_BATCH_BYTES, PairCaches, Patch, cache_bytes, patched_reads
+from kvprobe.probes.locality import targets
+
+BANDS = ("all", "early", "middle", "late")
+HeadSet = frozenset  # of (layer, head) pairs
+
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa")  # the ones that honour a 4D attention_mask
+
+
+def _check_attn(lm) -> None:
+    impl = getattr(lm.model.config, "_attn_implementation", None) or "eager"
+    if impl not in ATTN_IMPLEMENTATIONS:
+        raise KvprobeError(f"attention knockout needs an implementation that takes a 4D mask "
+                           f"({', '.join(ATTN_IMPLEMENTATIONS)}); this model uses {impl!r}")
+
+
+# -- layer bands -----------------------------------------------------------------------------
+def band_layers(band: str, n_layers: int) -> tuple[int, ...]:
+    """Layers of a band: "all", a third of depth ("early", "middle", "late"), or "layer<i>".
+
+    Layer l belongs to third ``floor(3 * l / n_layers)``; with fewer than three layers a third
+    can be empty (then the band is skipped by the probe).
+    """
+    if band == "all":
+        return tuple(range(n_layers))
+    if band in ("early", "middle", "late"):
+        third = ("early", "middle", "late").index(band)
+        return tuple(lay for lay in range(n_layers) if 3 * lay // n_layers == third)
+    if band.startswith("layer") and band[5:].isdigit() and int(band[5:]) < n_layers:
+        return (int(band[5:]),)
+    raise KvprobeError(f"unknown layer band {band!r}; accepted: all, early, middle, late, "
+                       f"layer0..layer{n_layers - 1}")
+
+
+# -- hooks -----------------------------------------------------------------------------------
+def _hide(mask: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """``mask`` (B|1, 1, S, K) with the cache columns in ``hidden`` (B, N), N <= K, disallowed."""
+    B, N = hidden.shape
+    assert mask.ndim == 4 and mask.shape[-1] >= N, (mask.shape, hidden.shape)
+    cols = torch.zeros(B, mask.shape[-1], dtype=torch.bool, device=mask.device)
+    cols[:, :N] = hidden
+    cols = cols[:, None, None, :]  # (B, 1, 1, K)
+    mask = mask.expand(B, *mask.shape[1:])
+    if mask.dtype == torch.bool:  # True = may attend
+        return mask & ~cols
+    return mask.masked_fill(cols, torch.finfo(mask.dtype).min)
+
+
+@contextmanager
+def attention_knockout(lm, hidden: torch.Tensor) -> Iterator[None]:
+    """Hide cache entries from every query of the next forward passes, per layer and batch row.
+
+    ``hidden`` (B, L, N) bool: ``hidden[b, l, j]`` hides cache entry j from row b's queries at
+    layer l. The forward must pass an explicit 4D mask (use :func:`knockout_reads`, or
+    :func:`kvprobe.kv.cache.masked_forward`); a missing mask is refused, never guessed.
+    """
+    _check_attn(lm)
+    assert hidden.ndim == 3 and hidden.shape[1] == lm.adapter.n_layers, hidden.shape
+    handles = []
+
+    def make(h: torch.Tensor):
+        def hook(module, args, kwargs):
+            mask = kwargs.get("attention_mask")
+            if mask is None or isinstance(mask, dict):
+                raise KvprobeError("attention knockout needs an explicit 4D attention_mask per layer; "
+                                   "read through knockout_reads or masked_forward")
+            return args, {**kwargs, "attention_mask": _hide(mask, h)}
+        return hook
+
+    try:
+        for layer in range(hidden.shape[1]):
+            if hidden[:, layer].any():
+                module = lm.adapter.attention(lm.model, layer)
+                handles.append(module.register_forward_pre_hook(make(hidden[:, layer]), with_kwargs=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def head_patching(lm, patches: Sequence[HeadSet], source: torch.Tensor | None) -> Iterator[None]:
+    """Replace head outputs at the last query position of the next forward passes.
+
+    ``patches[b]`` is the set of (layer, head) pairs patched in batch row b. ``source``
+    (L, n_heads * head_dim) holds the replacement o_proj inputs (e.g. :func:`head_inputs` of the
+    new read); None zeroes the heads (head knockout).
+    """
+    ad = lm.adapter
+    L, H, hd = ad.n_layers, ad.n_heads, ad.head_dim
+    B = len(patches)
+    sel = torch.zeros(L, B, H, dtype=torch.bool)  # which heads each row patches, per layer
+    for b, heads in enumerate(patches):
+        for layer, head in heads:
+            if not (0 <= layer < L and 0 <= head < H):
+                raise KvprobeError(f"no head ({layer}, {head}) in a model of {L} layers x {H} query heads")
+            sel[layer, b, head] = True
+    if source is not None:
+        assert source.shape == (L, H * hd), (source.shape, (L, H * hd))
+    handles = []
+
+    def make(layer: int):
+        def hook(module, args):
+            x = args[0]  # (B, S, H * hd)
+            assert x.shape[0] == B and x.shape[-1] == H * hd, (x.shape, B, H * hd)
+            xv = x.reshape(B, x.shape[1], H, hd).clone()  # (B, S, H, hd)
+            rep = (torch.zeros(H, hd, dtype=x.dtype, device=x.device) if source is None
+                   else source[layer].reshape(H, hd).to(x))  # (H, hd)
+            s = sel[layer].to(x.device)[..., None]  # (B, H, 1)
+            xv[:, -1] = torch.where(s, rep[None], xv[:, -1])
+            return (xv.reshape(x.shape), *args[1:])
+        return hook
+
+    try:
+        for layer in range(L):
+            if sel[layer].any():
+                handles.append(ad.proj(lm.model, layer, "o").register_forward_pre_hook(make(layer)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def recording_head_inputs(lm, store: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Record every layer's o_proj input at the last query position into ``store[layer]`` (B, H*hd)."""
+    handles = []
+
+    def make(layer: int):
+        def hook(module, args):
+            store[layer] = args[0][:, -1].detach().clone()
+        return hook
+
+    try:
+        for layer in range(lm.adapter.n_layers):
+            handles.append(lm.adapter.proj(lm.model, layer, "o").register_forward_pre_hook(make(layer)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+# -- batched reads ---------------------------------------------------------------------------
+def _chunks(cache: DynamicCache, n: int, batch_bytes: int) -> Iterator[tuple[int, int]]:
+    per = max(1, batch_bytes // max(1, cache_bytes(cache)))
+    for start in range(0, n, per):
+        yield start, min(n, start + per)
+
+
+def _read(lm, cache: DynamicCache, token: int, position: int, B: int) -> torch.Tensor:
+    """Decision logits (B, V): ``token`` at ``position`` over B copies of a batch-1 ``cache``."""
+    batch = C.concat([cache] * B, dim="batch")
+    ids, pos = torch.full((B, 1), token), torch.full((B, 1), position)
+    return C.masked_forward(lm, ids, batch, pos).logits[:, -1]
+
+
+@torch.no_grad()
+def knockout_reads(lm, cache: DynamicCache, token: int, position: int, hidden: torch.Tensor,
+                   batch_bytes: int = DEFAULT_BATCH_BYTES) -> torch.Tensor:
+    """Decision logits (B, V), row b read with the edges ``hidden[b]`` (L, N) removed.
+
+    ``cache`` holds one prompt's positions [0, N) (batch 1) and is left untouched.
+    """
+    assert hidden.ndim == 3 and hidden.shape[2] == C.seq_len(cache), (hidden.shape, C.seq_len(cache))
+    out = []
+    for lo, hi in _chunks(cache, hidden.shape[0], batch_bytes):
+        with attention_knockout(lm, hidden[lo:hi]):
+            out.append(_read(lm, cache, token, position, hi - lo))
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def head_inputs(lm, cache: DynamicCache, token: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits (V,), o_proj inputs (L, n_heads * head_dim)) of one plain read of ``token``."""
+    store: dict[int, torch.Tensor] = {}
+    with recording_head_inputs(lm, store):
+        logits = _read(lm, cache, token, position, 1)[0]
+    return logits, torch.stack([store[layer][0] for layer in range(lm.adapter.n_layers)])
+
+
+@torch.no_grad()
+def head_patched_reads(lm, cache: DynamicCache, token: int, position: int, patches: Sequence[HeadSet],
+                       source: torch.Tensor | None, batch_bytes: int = DEFAULT_BATCH_BYTES) -> torch.Tensor:
+    """Decision logits (len(patches), V) with each row's heads patched from ``source`` (None: zeroed)."""
+    out = []
+    for lo, hi in _chunks(cache, len(patches), batch_bytes):
+        with head_patching(lm, patches[lo:hi], source):
+            out.append(_read(lm, cache, token, position, hi - lo))
+    return torch.cat(out)
+
+
+def single_position_effects(lm, pc: PairCaches, m_of) -> torch.Tensor:
+    """(D,) change of m when one old-cache position takes the new prompt's K/V (all layers)."""
+    ms = m_of(patched_reads(lm, pc, [Patch(()), *(Patch((p,)) for p in range(pc.D))]))
+    return ms[1:] - ms[0]
+
+
+def _preds(logits: torch.Tensor, a: AlignedCase) -> list[str]:
+    return [a.case.options[i] for i in option_scores(logits, a.option_ids, a.case.options).argmax(-1).tolist()]
+
+
+# -- probes ----------------------------------------------------------------------------------
+@register
+@dataclass(frozen=True)
+class EdgeKnockout:
+    """Block the decision token's attention to the notes, the field, or random positions.
+
+    ``top_positions`` maps case_id -> downstream positions ranked by single-position patch effect
+    (e.g. from the locality probe's sweep); cases without an entry get the sweep computed here.
+    Rows: metric ``m`` (ablated), ``dm`` (m minus the unablated m of the same cache), ``flip``
+    (1 when the arg-max option differs from the unablated read of that cache); extras ``cache``
+    ("old" or "new"), ``set`` (none, topk, field, randomk), ``k``, ``band``, ``layers``.
+    """
+
+    name = "edge_knockout"
+    ks: tuple[int, ...] = (8,)
+    bands: tuple[str, ...] = BANDS
+    per_layer: bool = False  # also one band per single layer
+    n_random: int = 3
+    caches: tuple[str, ...] = ("old", "new")
+    top_positions: Mapping[str, Sequence[int]] | None = None
+    seed: int = 0
+    model_name: str = ""
+
+    def run(self, lm, pairs: Sequence[AlignedCase]) -> pd.DataFrame:
+        frames = [self.run_case(lm, a) for a in pairs]
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+    def layer_bands(self, n_layers: int) -> list[tuple[str, tuple[int, ...]]]:
+        names = list(self.bands) + ([f"layer{i}" for i in range(n_layers)] if self.per_layer else [])
+        return [(b, band_layers(b, n_layers)) for b in names if band_layers(b, n_layers)]
+
+    def sets(self, a: AlignedCase, ranked: Sequence[int]) -> list[tuple[str, int | None, tuple[int, ...]]]:
+        """(set name, k, hidden positions): none, field, top-k notes, random-k downstream."""
+        (f0, f1), (d0, d1) = a.field, a.downstream
+        down = list(range(d0, d1))
+        rng = random.Random(f"{self.seed}:{a.case.case_id}")
+        out = [("none", None, ()), ("field", None, tuple(range(f0, f1)))]
+        for k in self.ks:
+            if k > len(down):
+                continue
+            out.append(("topk", k, tuple(sorted(ranked[:k]))))
+            out += [("randomk", k, tuple(sorted(rng.sample(down, k)))) for _ in range(self.n_random)]
+        return out
+
+    def ranked(self, lm, a: AlignedCase, pc: PairCaches, m_of) -> list[int]:
+        if self.top_positions is not None and a.case.case_id in self.top_positions:
+            given = [int(p) for p in self.top_positions[a.case.case_id]]
+            d0, d1 = a.downstream
+            if any(not d0 <= p < d1 for p in given):
+                raise KvprobeError(f"top_positions for {a.case.case_id} must be downstream positions in [{d0}, {d1})")
+            return given
+        effects = single_position_effects(lm, pc, m_of)
+        return sorted(range(*a.downstream), key=lambda p: -float(effects[p]))
+
+    def run_case(self, lm, a: AlignedCase, pc: PairCaches | None = None) -> pd.DataFrame:
+        pc = pc or PairCaches.build(lm, a)
+        new_ans, old_ans = targets(a)
+        m_of = lambda lg: logit_diff(lg, a.option_ids, new_ans, old_ans)  # noqa: E731
+        D, L, token = pc.D, lm.adapter.n_layers, a.ids_old[pc.D]
+        ranked = self.ranked(lm, a, pc, m_of)
+        sets, bands = self.sets(a, ranked), self.layer_bands(L)
+        plan = [(s, b) for s in sets for b in (bands if s[2] else bands[:1])]  # "none": once
+        hidden = torch.zeros(len(plan), L, D, dtype=torch.bool)  # (B, L, D)
+        for row, ((_, _, positions), (_, layers)) in enumerate(plan):
+            if positions:
+                hidden[row, torch.tensor(layers)[:, None], torch.tensor(positions)[None]] = True
+        records, refs = [], {}
+        for which in self.caches:
+            cache = {"old": pc.old, "new": pc.new}[which]
+            logits = knockout_reads(lm, cache, token, D, hidden)
+            ms, preds = m_of(logits).tolist(), _preds(logits, a)
+            refs[which] = ms[0]  # plan[0] is "none": the unablated read
+            for ((name, k, positions), (band, layers)), m, pred in zip(plan, ms, preds):
+                region = {"field": "field", "none": None}.get(name, "downstream")
+                for metric, value in (("m", m), ("dm", m - ms[0]), ("flip", float(pred != preds[0]))):
+                    records.append({"region": region, "metric": metric, "value": value, "cache": which,
+                                    "set": name, "k": k if k is not None else len(positions),
+                                    "band": band if positions else None,
+                                    "layers": ",".join(map(str, layers)) if positions else None})
+        df = rows(self.model_name, a.case.case_id, self.name, records)
+        df["m_stale"], df["m_oracle"] = refs.get("old"), refs.get("new")
+        df["control"], df["n_positions"] = a.case.control, D
+        return df
+
+
+@register
+@dataclass(frozen=True)
+class HeadPatch:
+    """Rank heads by patching their output at the decision token from the new read.
+
+    Rows per (layer, head): ``m``, ``effect`` (m - m_stale) and ``recovery``; per set (``top``:
+    the n best heads by recovery, ``random``: n random heads, ``n_random`` draws, ``all``: every
+    head): ``m``, ``recovery`` and ``agree`` (arg-max option equals the oracle's). ``k`` is the
+    number of heads used: ``min(top_n, n_layers * n_heads)``.
+    """
+
+    name = "head_patch"
+    top_n: int = 12
+    n_random: int = 5
+    seed: int = 0
+    model_name: str = ""
+
+    def run(self, lm, pairs: Sequence[AlignedCase]) -> pd.DataFrame:
+        frames = [self.run_case(lm, a) for a in pairs]
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+    def run_case(self, lm, a: AlignedCase, pc: PairCaches | None = None) -> pd.DataFrame:
+        pc = pc or PairCaches.build(lm, a)
+        new_ans, old_ans = targets(a)
+        m_of = lambda lg: logit_diff(lg, a.option_ids, new_ans, old_ans)  # noqa: E731
+        D, token = pc.D, a.ids_old[pc.D]
+        L, H = lm.adapter.n_layers, lm.adapter.n_heads
+        oracle_logits, source = head_inputs(lm, pc.new, token, D)  # source: (L, H * hd)
+        m_oracle = float(m_of(oracle_logits))
+        oracle_pred = _preds(oracle_logits[None], a)[0]
+        heads = [(layer, head) for layer in range(L) for head in range(H)]
+        singles = [HeadSet()] + [HeadSet({lh}) for lh in heads]  # row 0: the stale read
+        ms = m_of(head_patched_reads(lm, pc.old, token, D, singles, source)).tolist()
+        m_stale, flip = ms[0], m_oracle - ms[0]
+        rec = lambda m: (m - m_stale) / flip if flip else float("nan")  # noqa: E731
+        records = []
+        for (layer, head), m in zip(heads, ms[1:]):
+            for metric, value in (("m", m), ("effect", m - m_stale), ("recovery", rec(m))):
+                records.append({"layer": layer, "head": head, "metric": metric, "value": value, "set": "single", "k": 1})
+        k = min(self.top_n, len(heads))
+        score = [(m - m_stale) * (1 if flip >= 0 else -1) for m in ms[1:]]  # toward the oracle
+        top = HeadSet(h for _, h in sorted(zip(score, heads), key=lambda t: -t[0])[:k])
+        rng = random.Random(f"{self.seed}:{a.case.case_id}")
+        named = [("top", top), ("all", HeadSet(heads))]
+        named += [("random", HeadSet(rng.sample(heads, k))) for _ in range(self.n_random)]
+        logits = head_patched_reads(lm, pc.old, token, D, [s for _, s in named], source)
+        for (name, heads_set), m, pred in zip(named, m_of(logits).tolist(), _preds(logits, a)):
+            for metric, value in (("m", m), ("recovery", rec(m)), ("agree", float(pred == oracle_pred))):
+                records.append({"metric": metric, "value": value, "set": name, "k": len(heads_set),
+                                "heads": ";".join(f"{lay}.{h}" for lay, h in sorted(heads_set))})
+        df = rows(self.model_name, a.case.case_id, self.name, records)
+        df["m_stale"], df["m_oracle"], df["oracle_flip"] = m_stale, m_oracle, flip
+        df["control"], df["n_positions"] = a.case.control, D
+        return df
