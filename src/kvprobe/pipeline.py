@@ -208,11 +208,13 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
         tick = progress("attention", len(valid))
         tables[ATTENTION] = stages.run("attention", lambda: _per_case(
             CaseStore(out, "attention"), [(a.case.case_id, a) for a in valid], lambda a: probe.run(lm, [a]), tick))
-    notes = top_notes(locality, k=8)
+    ranked = top_notes(locality, k=None)
+    notes = {c: p[:8] for c, p in ranked.items()}
     if "knockout" in cfg.probes:
-        from kvprobe.probes.knockout import knockout_probes
+        from kvprobe.probes.knockout import EdgeKnockout, HeadPatch
 
-        probes = knockout_probes(model_name=name, notes=notes, seed=cfg.seed)
+        probes = [EdgeKnockout(top_positions=ranked or None, seed=cfg.seed, model_name=name),
+                  HeadPatch(seed=cfg.seed, model_name=name)]
         tick = progress("knockout", len(valid))
         tables[KNOCKOUT] = stages.run("knockout", lambda: _per_case(
             CaseStore(out, "knockout"), [(a.case.case_id, a) for a in valid],
@@ -291,10 +293,12 @@ def _invalid_reasons(validity: pd.DataFrame) -> dict:
     return reasons.value_counts().to_dict()
 
 
-def top_notes(locality: pd.DataFrame, k: int = 8) -> dict[str, list[int]]:
-    """Per case, the k downstream positions with the largest single-position patch effect (the notes)."""
+def top_notes(locality: pd.DataFrame, k: int | None = 8) -> dict[str, list[int]]:
+    """Per case, downstream positions by single-position patch effect toward the oracle, largest
+    first (the notes); the first ``k`` (None: all)."""
     if locality.empty:
         return {}
     sweep = locality[(locality.metric == "effect") & (locality.set == "single") & (locality.region == "downstream")]
     sweep = sweep.assign(signed=sweep.value * sweep.oracle_flip.map(lambda f: 1.0 if f >= 0 else -1.0))
-    return {c: g.nlargest(k, "signed").position.astype(int).tolist() for c, g in sweep.groupby("case_id")}
+    return {c: g.sort_values("signed", ascending=False, kind="stable").position.astype(int).tolist()[:k]
+            for c, g in sweep.groupby("case_id")}

