@@ -202,9 +202,9 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
 
         tables[CONCENTRATION] = concentration(locality)
     if "attention" in cfg.probes:
-        from kvprobe.probes.attention import AttentionShares
+        from kvprobe.probes.attention import Attention
 
-        probe = AttentionShares(model_name=name)
+        probe = Attention(model_name=name)
         tick = progress("attention", len(valid))
         tables[ATTENTION] = stages.run("attention", lambda: _per_case(
             CaseStore(out, "attention"), [(a.case.case_id, a) for a in valid], lambda a: probe.run(lm, [a]), tick))
@@ -220,13 +220,13 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
             CaseStore(out, "knockout"), [(a.case.case_id, a) for a in valid],
             lambda a: pd.concat([p.run(lm, [a]) for p in probes], ignore_index=True), tick))
     if "linear" in cfg.probes:
-        from kvprobe.probes.linear import LinearProbe
+        from kvprobe.probes.linear import Linear
 
         if (out / LINEAR).exists():
             tables[LINEAR] = pd.read_parquet(out / LINEAR)
         else:
             tick = progress("linear", 1)
-            tables[LINEAR] = stages.run("linear", lambda: LinearProbe(model_name=name, notes=notes or None)
+            tables[LINEAR] = stages.run("linear", lambda: Linear(model_name=name, notes=notes or None)
                                         .run(lm, valid))
             tick()
     for file, df in tables.items():

@@ -14,7 +14,7 @@ err_console = Console(stderr=True)
 def progress_bar() -> Progress:
     """A rich progress bar on stderr (so stdout stays clean for tables)."""
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), console=err_console, transient=False)
+                    TimeRemainingColumn(), console=err_console, transient=True)
 
 
 def load_with_status(spec: str, dtype: str = "float32", device: str = "cpu"):

