@@ -55,6 +55,7 @@ class RunConfig(BaseModel):
     cot: list[int] = [0]
     min_flip: float = Field(1.0, ge=0)
     holdout: float = Field(0.5, gt=0, lt=1)
+    valid_only: bool = True  # False: probe every aligned decision case (e.g. a model that does not decide)
     erratum_template: str = ERRATUM
     dtype: str = "float32"
     device: str = "cpu"
@@ -180,11 +181,13 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
     validity = stages.run("validity", lambda: _per_case(
         CaseStore(out, "validity"), aligned.items(), lambda a: pd.DataFrame([check_case(lm.model, a)]), tick))
     atomic_write_parquet(validity, out / VALIDITY)
-    valid_ids = sorted(validity[validity.valid & ~validity.control].case_id) if len(validity) else []
+    keep = validity.valid if cfg.valid_only else validity.valid | ~validity.control
+    valid_ids = sorted(validity[keep & ~validity.control].case_id) if len(validity) else []
     control_ids = sorted(validity[validity.valid & validity.control].case_id) if len(validity) else []
     if not valid_ids:
         raise KvprobeError(f"{name} answered no decision case correctly under both values "
-                           f"({len(aligned)} aligned cases); the probes need a model that decides by the field")
+                           f"({len(aligned)} aligned cases); the probes need a model that decides by the field "
+                           f"(or set valid_only: false to probe it anyway)")
     valid = [aligned[c] for c in valid_ids]
     rank_ids, held_ids = split_holdout(valid_ids, cfg.holdout, cfg.seed)
 
@@ -269,9 +272,10 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
         "kvprobe_run": 1, "config": cfg.model_dump(), "model": lm.fingerprint(), "model_info": lm.info.as_dict(),
         "n_layers": lm.adapter.n_layers, "n_heads": lm.adapter.n_heads, "n_kv_heads": lm.adapter.n_kv_heads,
         "versions": _versions(), "seed": cfg.seed,
-        "counts": {"cases": len(cases), "aligned": len(aligned), "valid_decision": len(valid_ids),
+        "counts": {"cases": len(cases), "aligned": len(aligned), "probed_decision": len(valid_ids),
+                   "valid_decision": int((validity.valid & ~validity.control).sum()),
                    "valid_control": len(control_ids), "ranking_cases": len(rank_ids), "held_out_cases": len(held_ids),
-                   "skipped": len(skipped), "invalid": len(aligned) - len(valid_ids) - len(control_ids)},
+                   "skipped": len(skipped), "invalid": int((~validity.valid).sum())},
         "skipped": [{"case_id": s.case_id, "reason": s.reason} for s in skipped],
         "invalid_reasons": _invalid_reasons(validity),
         "validity": summarize(validity) if len(validity) else {},

@@ -25,14 +25,18 @@ app.add_typer(models_app, name="models")
 
 from kvprobe.cli.common import console, err_console  # noqa: E402
 from kvprobe.cli.data import datasets_app  # noqa: E402
+from kvprobe.cli.toy import toy_app  # noqa: E402
 
 from kvprobe.cli.edit import edit  # noqa: E402
 from kvprobe.cli.run import export_topk, run  # noqa: E402
+from kvprobe.cli.validate import validate  # noqa: E402
 
 app.add_typer(datasets_app, name="datasets")
+app.add_typer(toy_app, name="toy")
 app.command("edit")(edit)
 app.command("run")(run)
 app.command("export-topk")(export_topk)
+app.command("validate")(validate)
 
 
 @models_app.callback()

@@ -19,6 +19,8 @@ def run(model: str | None = typer.Option(None, help="model spec (default: the bu
         strategies: str | None = typer.Option(None, help="comma-separated edit strategy specs"),
         n: int | None = typer.Option(None, min=1, help="cases"), seed: int | None = None,
         cot: str | None = typer.Option(None, help="comma-separated CoT token budgets, e.g. 0,64"),
+        valid_only: bool | None = typer.Option(None, "--valid-only/--all-cases",
+                                               help="probe only cases the model gets right under both values"),
         config: Path | None = typer.Option(None, help="a YAML RunConfig; flags override it"),
         out: Path | None = typer.Option(None, help="results folder (default results/<model>)"),
         report: bool = typer.Option(True, help="write report.html at the end")) -> None:
@@ -33,7 +35,7 @@ def run(model: str | None = typer.Option(None, help="model spec (default: the bu
 
     overrides = {k: v for k, v in {
         "model": model, "dataset": dataset, "probes": _csv(probes), "strategies": _csv(strategies), "n": n,
-        "seed": seed, "cot": _csv(cot, int) if cot else None}.items() if v is not None}
+        "seed": seed, "cot": _csv(cot, int) if cot else None, "valid_only": valid_only}.items() if v is not None}
     try:
         cfg = RunConfig.from_yaml(config, **overrides) if config else RunConfig(**overrides)
     except ValidationError as exc:
@@ -53,7 +55,7 @@ def run(model: str | None = typer.Option(None, help="model spec (default: the bu
         manifest = run_pipeline(cfg, out, progress=progress, lm=lm)
     c = manifest["counts"]
     console.print(f"{cfg.model}: {c['valid_decision']} valid decision cases of {c['aligned']} aligned "
-                  f"({c['skipped']} skipped, {c['invalid']} invalid); results in {out} "
+                  f"({c['skipped']} skipped, {c['invalid']} invalid; {c['probed_decision']} probed); results in {out} "
                   f"({manifest['wall_s']['total']:.0f} s)")
     _print_headline(out)
     if report:
