@@ -26,3 +26,11 @@ def predicted(logits: torch.Tensor, option_ids: dict[str, list[int]], options: l
     """The arg-max option for each leading index of (..., V) logits, flattened."""
     idx = option_scores(logits, option_ids, options).reshape(-1, len(options)).argmax(-1)
     return [options[i] for i in idx.tolist()]
+
+
+def answer_targets(case) -> tuple[str, str]:
+    """(new-answer option, old-answer option) for m; a control keeps its answer, so its m is
+    measured against the other option."""
+    if case.control:
+        return next(o for o in case.options if o != case.expected_old), case.expected_old
+    return case.expected_new, case.expected_old

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import pandas as pd
 
 from kvprobe.datasets import AlignedCase, EditCase, Skip, align
-from kvprobe.decision import logit_diff, option_scores
+from kvprobe.decision import answer_targets, logit_diff, option_scores
 from kvprobe.errors import KvprobeError
 from kvprobe.kv import edit as E
 from kvprobe.metrics import DEFAULT_MIN_FLIP, compare, recovery
@@ -19,19 +19,12 @@ DEFAULT_STRATEGIES = ("stale", "field_only", "selective:8:attention", "selective
                       "erratum", "field_erratum", "hoist", "oracle")
 
 
-def _targets(case: EditCase) -> tuple[str, str]:
-    """(new-answer option, old-answer option) for m; controls compare against the other option."""
-    if case.control:
-        return next(o for o in case.options if o != case.expected_old), case.expected_old
-    return case.expected_new, case.expected_old
-
-
 def edit_case(lm, a: AlignedCase, strategies: Sequence[E.Strategy], cot_tokens: int = 0,
               min_flip: float = DEFAULT_MIN_FLIP, ranking=None, seed: int = 0, model_name: str = "") -> pd.DataFrame:
     """Every strategy on one aligned case, against that case's stale and oracle reads."""
     case = a.case
     ctx = E.make_context(lm, a, ranking=ranking, seed=seed)
-    new_ans, old_ans = _targets(case)
+    new_ans, old_ans = answer_targets(case)
 
     def read(s: E.Strategy):
         edited = E.apply(ctx, s)

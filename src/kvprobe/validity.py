@@ -17,7 +17,7 @@ import pandas as pd
 import torch
 
 from kvprobe.datasets import AlignedCase, EditCase, Skip, align
-from kvprobe.decision import logit_diff, option_scores
+from kvprobe.decision import answer_targets, logit_diff, option_scores
 from kvprobe.kv import cache as C
 
 CHECK_COLUMNS = ["case_id", "domain", "field", "control", "old_value", "new_value", "expected_old",
@@ -45,10 +45,7 @@ def check_case(model, a: AlignedCase) -> dict:
     logits = decision_logits_pair(model, a)
     scores = option_scores(logits, a.option_ids, c.options)
     pred = [c.options[i] for i in scores.argmax(-1).tolist()]
-    # For controls expected_new == expected_old, so m is measured against the other option.
-    other = next(o for o in c.options if o != c.expected_old)
-    target = c.expected_new if not c.control else other
-    m = logit_diff(logits, a.option_ids, target, c.expected_old).tolist()
+    m = logit_diff(logits, a.option_ids, *answer_targets(c)).tolist()
     correct_old, correct_new = pred[0] == c.expected_old, pred[1] == c.expected_new
     return {
         "case_id": c.case_id, "domain": c.domain, "field": c.field, "control": c.control,

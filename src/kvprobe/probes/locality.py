@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 
 from kvprobe.datasets import AlignedCase
-from kvprobe.decision import logit_diff, option_scores
+from kvprobe.decision import answer_targets, logit_diff, option_scores
 from kvprobe.probes.base import register, region_of, rows
 from kvprobe.probes.engine import PairCaches, Patch, patched_reads
 
@@ -28,11 +28,8 @@ TOP_KS = (1, 4, 8, 16, 32, 128)
 
 
 def targets(a: AlignedCase) -> tuple[str, str]:
-    """(new answer, old answer) options for m; controls use the other option."""
-    c = a.case
-    if c.control:
-        return next(o for o in c.options if o != c.expected_old), c.expected_old
-    return c.expected_new, c.expected_old
+    """(new answer, old answer) options for m of an aligned case."""
+    return answer_targets(a.case)
 
 
 @register
