@@ -31,7 +31,7 @@ from kvprobe.editing import DEFAULT_STRATEGIES, edit_case
 from kvprobe.errors import KvprobeError
 from kvprobe.kv.edit import RANKINGS, parse_strategy
 from kvprobe.results import (ATTENTION, CONCENTRATION, EDITS, KNOCKOUT, LINEAR, LOCALITY, MANIFEST, RANKING_RULE,
-                             VALIDITY, CaseStore, atomic_write_json, atomic_write_parquet)
+                             TOKENS, VALIDITY, CaseStore, atomic_write_json, atomic_write_parquet)
 
 DEFAULT_MODEL = "toy-qwen2"
 ALL_PROBES = ("locality", "attention", "knockout", "linear")
@@ -190,6 +190,9 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
                            f"(or set valid_only: false to probe it anyway)")
     valid = [aligned[c] for c in valid_ids]
     rank_ids, held_ids = split_holdout(valid_ids, cfg.holdout, cfg.seed)
+    from kvprobe.reports.tokens import case_tokens  # token text for the notes map (data, not rendering)
+
+    atomic_write_parquet(case_tokens(lm, valid + [aligned[c] for c in control_ids]), out / TOKENS)
 
     tables: dict[str, pd.DataFrame] = {}
     locality = pd.DataFrame()

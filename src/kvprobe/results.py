@@ -23,6 +23,8 @@ LINEAR = "linear.parquet"
 KNOCKOUT = "knockout.parquet"
 COMPOSE = "compose.parquet"
 RANKING_RULE = "ranking_rule.json"
+TOKENS = "tokens.parquet"
+TTFT = "ttft.parquet"
 REPORT = "report.html"
 
 

@@ -30,6 +30,7 @@ from kvprobe.cli.toy import toy_app  # noqa: E402
 from kvprobe.cli.edit import edit  # noqa: E402
 from kvprobe.cli.run import export_topk, run  # noqa: E402
 from kvprobe.cli.validate import validate  # noqa: E402
+from kvprobe.cli.report import report  # noqa: E402
 
 app.add_typer(datasets_app, name="datasets")
 app.add_typer(toy_app, name="toy")
@@ -37,6 +38,7 @@ app.command("edit")(edit)
 app.command("run")(run)
 app.command("export-topk")(export_topk)
 app.command("validate")(validate)
+app.command("report")(report)
 
 
 @models_app.callback()

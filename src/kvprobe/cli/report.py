@@ -1,0 +1,22 @@
+"""``kvprobe report``: one self-contained HTML report from one or more results folders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from kvprobe.cli.common import console
+
+
+def report(results_dirs: list[Path] = typer.Argument(..., help="results folders of `kvprobe run` / `kvprobe validate`; "
+                                                                "several give one column per model"),
+           out: Path | None = typer.Option(None, help="HTML file (default: RESULTS_DIR/report.html for one folder, "
+                                                      "report.html for several)")) -> None:
+    """Render the notes map, edit strategies, locality, linear probes, knockout, top-K, composition and
+    run facts into one HTML file with no external resources."""
+    from kvprobe.reports.render import render_report
+
+    out = out or (results_dirs[0] / "report.html" if len(results_dirs) == 1 else Path("report.html"))
+    path = render_report(list(results_dirs), out)
+    console.print(f"wrote {path}")

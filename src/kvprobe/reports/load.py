@@ -1,0 +1,122 @@
+"""Read one results folder (parquet, JSON, YAML) for the report; never runs anything.
+
+A folder is whatever ``kvprobe run`` or ``kvprobe validate`` wrote: ``manifest.json`` and the
+probe tables, and/or ``compose.parquet`` with ``compose_manifest.json``, optionally
+``tokens.parquet`` (:mod:`kvprobe.reports.tokens`) and ``ttft.parquet`` (:data:`TTFT`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from kvprobe.errors import KvprobeError
+from kvprobe.export import TOPK_FILE
+from kvprobe.reports.tokens import TOKENS
+from kvprobe.results import (ATTENTION, COMPOSE, CONCENTRATION, EDITS, KNOCKOUT, LINEAR, LOCALITY, MANIFEST,
+                             RANKING_RULE, VALIDITY)
+
+# Time to first token, full prefill against a composed cache: one row per (block_tokens, timed repeat),
+# columns block_tokens, full_s, compose_s, speedup (= full_s / compose_s); optional: model, seam.
+TTFT = "ttft.parquet"
+COMPOSE_MANIFEST = "compose_manifest.json"
+TABLES = (VALIDITY, LOCALITY, CONCENTRATION, ATTENTION, KNOCKOUT, LINEAR, EDITS, COMPOSE, TOKENS, TTFT)
+KNOWN = (MANIFEST, COMPOSE_MANIFEST, TOPK_FILE, RANKING_RULE) + TABLES
+
+
+@dataclass
+class Run:
+    """One results folder, loaded."""
+
+    folder: Path
+    label: str
+    manifest: dict = field(default_factory=dict)
+    compose_manifest: dict = field(default_factory=dict)
+    ranking_rule: dict = field(default_factory=dict)
+    topk_text: str | None = None
+    topk: dict = field(default_factory=dict)
+    tables: dict[str, pd.DataFrame] = field(default_factory=dict)
+
+    def has(self, name: str) -> bool:
+        return name in self.tables and len(self.tables[name]) > 0
+
+    def table(self, name: str) -> pd.DataFrame:
+        return self.tables.get(name, pd.DataFrame())
+
+    @property
+    def config(self) -> dict:
+        return self.manifest.get("config", {})
+
+    @property
+    def min_flip(self) -> float:
+        return float(self.config.get("min_flip", 1.0))
+
+    @property
+    def model(self) -> str:
+        return self.label
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise KvprobeError(f"{path} is not valid JSON: {exc}") from None
+
+
+def load_run(folder: Path | str) -> Run:
+    """Load every known file of a results folder; refuses a folder with none of them."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise KvprobeError(f"results folder not found: {folder}")
+    present = [name for name in KNOWN if (folder / name).exists()]
+    if not present:
+        raise KvprobeError(f"{folder} is not a kvprobe results folder (none of {MANIFEST}, {COMPOSE}, ... found); "
+                           f"run `kvprobe run` or `kvprobe validate` first")
+    run = Run(folder=folder, label="")
+    if (folder / MANIFEST).exists():
+        run.manifest = _json(folder / MANIFEST)
+    if (folder / COMPOSE_MANIFEST).exists():
+        run.compose_manifest = _json(folder / COMPOSE_MANIFEST)
+    if (folder / RANKING_RULE).exists():
+        run.ranking_rule = _json(folder / RANKING_RULE)
+    if (folder / TOPK_FILE).exists():
+        run.topk_text = (folder / TOPK_FILE).read_text()
+        try:
+            run.topk = yaml.safe_load(run.topk_text) or {}
+        except yaml.YAMLError:
+            run.topk = {}
+    for name in TABLES:
+        if (folder / name).exists():
+            run.tables[name] = pd.read_parquet(folder / name)
+    run.label = _label(run)
+    return run
+
+
+def _label(run: Run) -> str:
+    spec = run.manifest.get("config", {}).get("model") or run.manifest.get("model", {}).get("spec")
+    if not spec:
+        m = run.compose_manifest.get("model")
+        spec = m.get("spec") if isinstance(m, dict) else m
+    if not spec:
+        for name in (COMPOSE, TTFT):
+            df = run.tables.get(name)
+            if df is not None and "model" in df and len(df):
+                spec = str(df["model"].iloc[0])
+                break
+    return str(spec or run.folder.name)
+
+
+def load_runs(folders) -> list[Run]:
+    """Load several folders; labels made unique (the folder name is appended to repeats)."""
+    runs = [load_run(f) for f in folders]
+    seen: dict[str, int] = {}
+    for r in runs:
+        seen[r.label] = seen.get(r.label, 0) + 1
+    for r in runs:
+        if seen[r.label] > 1:
+            r.label = f"{r.label} ({r.folder.name})"
+    return runs
