@@ -101,6 +101,7 @@ class Edited:
     wall_s: float = 0.0
     rewritten_prompt: bool = False
     note: str = ""
+    setup_s: float = 0.0  # time spent building what a deployment would already hold (not a cost)
 
 
 @dataclass
@@ -288,8 +289,10 @@ def _hoist(ctx: EditContext, s: Strategy) -> Edited:
     if isinstance(hoisted, Skip):
         raise KvprobeError(f"hoist: the rewritten prompt of {ctx.a.case.case_id} does not align: {hoisted.reason}")
     f0, D = hoisted.field[0], hoisted.decision_pos
+    start = time.perf_counter()
     _, cache = C.prefill(ctx.lm.model, torch.tensor(hoisted.ids_old[:f0]))  # the deployment's cached prefix
-    return Edited(cache, hoisted.ids_new[f0 : D + 1], D - f0, D + 1, rewritten_prompt=True)
+    return Edited(cache, hoisted.ids_new[f0 : D + 1], D - f0, D + 1, rewritten_prompt=True,
+                  setup_s=time.perf_counter() - start)
 
 
 STRATEGIES: dict[str, Callable[[EditContext, Strategy], Edited]] = {
@@ -299,11 +302,13 @@ STRATEGIES: dict[str, Callable[[EditContext, Strategy], Edited]] = {
 
 
 def apply(ctx: EditContext, strategy: Strategy | str) -> Edited:
-    """Run one strategy on a case (timed; the shared old-cache prefill is not counted)."""
+    """Run one strategy on a case, timed. Neither the shared old-cache prefill nor a strategy's
+    setup (what a deployment would already hold, e.g. hoist's rewritten prefix) is counted; the
+    tail fed at decision time is timed by :func:`decide`'s caller."""
     s = parse_strategy(strategy) if isinstance(strategy, str) else strategy
     start = time.perf_counter()
     edited = STRATEGIES[s.name](ctx, s)
-    edited.wall_s = time.perf_counter() - start
+    edited.wall_s = time.perf_counter() - start - edited.setup_s
     return edited
 
 
