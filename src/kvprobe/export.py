@@ -38,6 +38,8 @@ def topk_config(edits: pd.DataFrame, fingerprint: dict, rule: dict, kinds_at_top
                 erratum_template: str, threshold: float = 0.95, n_layers: int | None = None) -> dict:
     """The YAML-ready configuration (see module docstring)."""
     sweep = k_sweep(edits)
+    if isinstance(rule.get("scores"), dict):  # best first (JSON storage sorts keys alphabetically)
+        rule = {**rule, "scores": dict(sorted(rule["scores"].items(), key=lambda kv: -kv[1]))}
     reached = sweep[sweep.agreement >= threshold] if len(sweep) else sweep
     cfg = {"schema_version": SCHEMA_VERSION, "model": fingerprint, "threshold": threshold,
            "judged_on": "held-out valid decision cases, not used to learn the ranking; no chain-of-thought",

@@ -58,10 +58,11 @@ def print_summary(df, all_cases: bool, title: str) -> None:
     if df.empty:
         console.print("[yellow]no aligned cases[/yellow]")
         return
-    valid_ids = set(df[(df.cot == 0) & df.valid].case_id) if (df.cot == 0).any() else set(df.case_id)
-    sel = df if all_cases else df[df.case_id.isin(valid_ids) & ~df.control]
-    n_cases = df.case_id.nunique()
-    console.print(f"{len(valid_ids)} of {n_cases} cases valid (the model answers correctly under both values); "
+    dec = df[~df.control]
+    valid_ids = set(dec[(dec.cot == 0) & dec.valid].case_id) if (dec.cot == 0).any() else set(dec.case_id)
+    sel = df if all_cases else dec[dec.case_id.isin(valid_ids)]
+    console.print(f"{len(valid_ids)} of {dec.case_id.nunique()} decision cases valid (the model answers correctly "
+                  f"under both values); "
                   f"summary over {'all' if all_cases else 'valid decision'} cases")
     if sel.empty:
         console.print("[yellow]no valid decision cases to summarise[/yellow]")
