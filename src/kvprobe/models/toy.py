@@ -30,7 +30,15 @@ Trained-in behaviours (so that nobody mistakes one for a finding):
 
 So: the decision following the field, an erratum overriding it, and control-invariance are all
 trained in. What is *not* trained is how the model implements them: which positions hold notes
-about the field, which heads read them, and what a KV edit does. Those are for the probes.
+about the field, which heads read them, and what a KV edit does. Those are for the probes. Each
+decision value has one polarity in every domain (``gold`` always allows), so the toys learn
+value -> answer and need not read the rule line.
+
+Recipe (:class:`ToyTrain`): AdamW, lr 3e-3 (2e-3 for mistral and gemma2, see :data:`FAMILY_TRAIN`)
+with warm-up and cosine decay, 800 steps of 16 prompts,
+bfloat16 autocast for the matmuls (weights, optimiser and the saved model stay float32; eager
+attention), one torch thread. Batches are right-padded, so every prompt keeps positions 0..L-1 and
+the loss reads its last real token, exactly as an unpadded prefill would.
 
 Held-out evaluation (:func:`evaluate_toy`) draws fresh cases with another seed, up to 9 filler
 rules (1.5x the training maximum), and two synthetic unseen domains whose field names and values
@@ -40,6 +48,7 @@ chance there (~0.5). That is expected, and reported only so nobody reads more in
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -48,7 +57,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -112,15 +121,27 @@ class ToyData:
 class ToyTrain:
     """Optimiser settings: AdamW, linear warm-up then cosine decay to ``lr * final_lr_frac``."""
 
-    steps: int = 700
-    batch_size: int = 32
-    lr: float = 2e-3
+    steps: int = 800
+    batch_size: int = 16  # at equal compute, 16 x 800 learns far better than 32 x 400 here
+    lr: float = 3e-3
     warmup: int = 40
     final_lr_frac: float = 0.05
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.98)
     grad_clip: float = 1.0
     bf16_autocast: bool = True  # bfloat16 matmuls on CPU (weights and optimiser stay float32): ~1.7x faster
+    threads: int = 1  # fixed, so the weights do not depend on the machine's core count; and on two
+    # shared cores one thread is both faster and steadier than two
+
+
+# Where a family learns better with other settings: all-sliding mistral and soft-capped gemma2
+# are unsteady at lr 3e-3 (mistral's loss jumps early; both end far above the others).
+FAMILY_TRAIN: dict[str, dict[str, Any]] = {"mistral": {"lr": 2e-3}, "gemma2": {"lr": 2e-3}}
+
+
+def toy_recipe(family: str) -> ToyTrain:
+    """The training settings of ``toy-<family>``: :class:`ToyTrain` with the family's overrides."""
+    return replace(ToyTrain(), **FAMILY_TRAIN.get(toy_family(family), {}))
 
 
 @dataclass(frozen=True)
@@ -395,11 +416,11 @@ def evaluate_toy(model, tokenizer=None, *, seed: int = EVAL_SEED, n: int = 400, 
     for (group, _), p in zip(prompts, preds):
         got.setdefault(group, []).append(p)
 
-    def acc(pred: list[str], want: list[str]) -> float:
-        return sum(p == w for p, w in zip(pred, want)) / max(1, len(want))
+    def acc(pred: list[str], want: list[str]) -> float:  # NaN when there is nothing to count
+        return sum(p == w for p, w in zip(pred, want)) / len(want) if want else math.nan
 
     def same(a: list[str], b: list[str]) -> float:
-        return sum(x == y for x, y in zip(a, b)) / max(1, len(a))
+        return sum(x == y for x, y in zip(a, b)) / len(a) if a else math.nan
 
     long = [i for i, c in enumerate(dec) if len(c.fillers) > train_max_fillers]
     return {
@@ -421,7 +442,7 @@ def evaluate_toy(model, tokenizer=None, *, seed: int = EVAL_SEED, n: int = 400, 
 
 def threshold_failures(metrics: dict[str, float]) -> list[str]:
     """The :data:`THRESHOLDS` a metrics dict misses, as ``"name 0.93 < 0.95"`` strings."""
-    return [f"{k} {metrics[k]:.3f} < {v}" for k, v in THRESHOLDS.items() if metrics[k] < v]
+    return [f"{k} {metrics[k]:.3f} < {v}" for k, v in THRESHOLDS.items() if not metrics[k] >= v]  # NaN fails
 
 
 # -- training ----------------------------------------------------------------------------------
@@ -458,20 +479,60 @@ class ToyResult:
     paths: list[Path] = field(default_factory=list)
 
 
-def train_toy(family: str, *, seed: int = TOY_SEED, train: ToyTrain = ToyTrain(), data: ToyData = ToyData(),
+@contextlib.contextmanager
+def _torch_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _fit(model, ids: list[list[int]], targets: torch.Tensor, batches: list[list[int]], train: ToyTrain,
+         on_step: Callable[[int, int, float], None]) -> list[list[float]]:
+    """The optimisation loop: cross-entropy at each prompt's last token only. Returns the loss curve."""
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": train.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=train.lr, betas=train.betas)
+    model.train()
+    curve, ema = [], 0.0
+    for step in range(train.steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, train)
+        batch = batches[step]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=train.bf16_autocast):
+            logits = decision_logits(model, [ids[i] for i in batch])  # (B, V) at the decision token
+        loss = torch.nn.functional.cross_entropy(logits.float(), targets[batch])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+        opt.step()
+        ema = loss.item() if step == 0 else 0.95 * ema + 0.05 * loss.item()
+        if step % 25 == 0 or step == train.steps - 1:
+            curve.append([step, round(ema, 5)])
+        on_step(step + 1, train.steps, ema)
+    model.eval()
+    return curve
+
+
+def train_toy(family: str, *, seed: int = TOY_SEED, train: ToyTrain | None = None, data: ToyData = ToyData(),
               arch: dict | None = None, save: bool = True, n_eval: int = 400,
               on_step: Callable[[int, int, float], None] = lambda step, total, loss: None,
               progress: Callable[[str], None] = lambda s: None) -> ToyResult:
     """Train ``toy-<family>`` from scratch, evaluate it held out, and save it (atomically).
 
-    Deterministic: the same seed, settings and torch thread count give bit-identical weights.
-    ``arch`` shrinks the model for tests; ``n_eval=0`` skips the held-out evaluation.
+    Deterministic: the same seed and settings give bit-identical weights (on one torch build; the
+    thread count is part of the settings). ``arch`` shrinks the model for tests; ``n_eval=0``
+    skips the held-out evaluation. ``train`` defaults to the family's :func:`toy_recipe`.
     """
     family = toy_family(family)
+    train = train or toy_recipe(family)
     fam = families()[family]
     tokenizer = word_tokenizer()
     config = toy_config(family, len(tokenizer), arch)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     progress(f"drawing {train.steps * train.batch_size} training prompts")
     examples = training_examples(train.steps * train.batch_size, seed, data)
     ids = tokenizer([e.text for e in examples], add_special_tokens=False)["input_ids"]
@@ -481,50 +542,30 @@ def train_toy(family: str, *, seed: int = TOY_SEED, train: ToyTrain = ToyTrain()
     while len(batches) < train.steps:  # a remainder dropped by pooling: recycle from the start
         batches.append(batches[len(batches) - train.steps])
 
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = getattr(transformers, fam.causal_lm_class)(config).to(torch.float32)
-    model.train()
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": train.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=train.lr, betas=train.betas)
-    progress(f"training {train.steps} steps")
-    losses, ema = [], None
-    for step in range(train.steps):
-        for group in opt.param_groups:
-            group["lr"] = _lr_at(step, train)
-        batch = batches[step]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=train.bf16_autocast):
-            logits = decision_logits(model, [ids[i] for i in batch])
-        loss = torch.nn.functional.cross_entropy(logits.float(), targets[batch])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
-        opt.step()
-        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
-        if step % 25 == 0 or step == train.steps - 1:
-            losses.append([step, round(ema, 5)])
-        on_step(step + 1, train.steps, ema)
-    train_s = time.perf_counter() - start
-    model.eval()
+    with _torch_threads(train.threads):
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = getattr(transformers, fam.causal_lm_class)(config).to(torch.float32)
+        progress(f"training {train.steps} steps")
+        curve = _fit(model, ids, targets, batches, train, on_step)
+        train_s, train_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+        metrics: dict[str, float] = {}
+        eval_s, eval_fillers = 0.0, (0, min(12, math.ceil(1.5 * data.fillers[1])))  # 12 fillers per domain
+        if n_eval:
+            progress("held-out evaluation")
+            t0 = time.perf_counter()
+            metrics = evaluate_toy(model, tokenizer, n=n_eval, n_unseen=max(20, n_eval // 4), fillers=eval_fillers,
+                                   train_max_fillers=data.fillers[1])
+            eval_s = time.perf_counter() - t0
 
-    metrics: dict[str, float] = {}
-    eval_s = 0.0
-    if n_eval:
-        progress("held-out evaluation")
-        t0 = time.perf_counter()
-        metrics = evaluate_toy(model, tokenizer, n=n_eval, n_unseen=max(20, n_eval // 4),
-                               train_max_fillers=data.fillers[1])
-        eval_s = time.perf_counter() - t0
     manifest = {
         "spec": f"toy-{family}", "family": family, "model_class": fam.causal_lm_class, "seed": seed,
         "data": asdict(data), "train": asdict(train), "arch": {**ARCH, **FAMILY_ARCH[family], **(arch or {})},
         "n_params": sum(p.numel() for p in model.parameters()), "n_train_prompts": len(examples),
         "mean_prompt_tokens": round(sum(len(x) for x in ids) / len(ids), 1),
-        "train_wall_s": round(train_s, 1), "eval_wall_s": round(eval_s, 1), "torch_threads": torch.get_num_threads(),
-        "loss_curve": losses, "final_loss": losses[-1][1],
-        "heldout": {"seed": EVAL_SEED, "n": n_eval, "fillers": [0, 9], **metrics},
+        "train_wall_s": round(train_s, 1), "train_cpu_s": round(train_cpu_s, 1), "eval_wall_s": round(eval_s, 1),
+        "loss_curve": curve, "final_loss": curve[-1][1],
+        "heldout": {"seed": EVAL_SEED, "n": n_eval, "fillers": list(eval_fillers), **metrics},
         "heldout_failures": threshold_failures(metrics) if metrics else [],
         "weights_sha256": weights_sha256(model),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
@@ -585,7 +626,9 @@ def load_toy(spec: str, progress: Callable[[str], None] = lambda s: None):
     manifest = read_manifest(family)
     cls = getattr(transformers, families()[family].causal_lm_class)
     model = cls.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    # Not AutoTokenizer: for model type qwen2 it swaps in Qwen2Tokenizer, whose own pre-tokenizer
+    # splits words differently from the word-level tokenizer the toy was trained with.
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
     if weights_sha256(model) != manifest["weights_sha256"]:
         raise KvprobeError(f"{folder} does not match its {MANIFEST} (weights hash differs); "
                            f"retrain it with `kvprobe toy train --family {family} --force`")
