@@ -193,5 +193,7 @@ def toy_qwen2():
 
 @pytest.mark.slow
 def test_toy_qwen2_decides_by_the_field(toy_qwen2):
-    metrics = toy.evaluate_toy(toy_qwen2, n=300, n_unseen=60)
+    metrics = toy.evaluate_toy(toy_qwen2)  # the held-out set of the manifest, on the reloaded folder
     assert toy.threshold_failures(metrics) == [], metrics
+    heldout = toy.read_manifest("qwen2")["heldout"]
+    assert {k: metrics[k] for k in toy.METRICS} == pytest.approx({k: heldout[k] for k in toy.METRICS}, abs=0.01)

@@ -101,7 +101,14 @@ def _from_folder(path: Path | str, gguf_file: str | None = None, model_class: st
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    tok = AutoTokenizer.from_pretrained(path, **kwargs)
+    if (Path(path) / "toy_manifest.json").exists():
+        # A toy's word-level tokenizer: AutoTokenizer would swap in the family's own class (for
+        # qwen2, Qwen2Tokenizer) and tokenize differently, silently.
+        from transformers import PreTrainedTokenizerFast
+
+        tok = PreTrainedTokenizerFast.from_pretrained(path)
+    else:
+        tok = AutoTokenizer.from_pretrained(path, **kwargs)
     cls = getattr(transformers, model_class) if model_class else AutoModelForCausalLM
     model = cls.from_pretrained(path, dtype=torch.float32, attn_implementation=attn, **kwargs)
     if gguf_file:  # dequantised already; drop the quantiser so the model behaves as plain fp32
