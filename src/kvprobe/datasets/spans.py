@@ -104,6 +104,17 @@ def option_ids(tokenizer: PreTrainedTokenizerBase, option: str) -> list[int]:
     return ids
 
 
+def region_of(a: AlignedCase, position: int) -> str:
+    """Where a position sits: sink (position 0), prefix, field, downstream or decision."""
+    if position == a.decision_pos:
+        return "decision"
+    if a.field[0] <= position < a.field[1]:
+        return "field"
+    if position >= a.field[1]:
+        return "downstream"
+    return "sink" if position == 0 else "prefix"
+
+
 def bos_prefix(tokenizer: PreTrainedTokenizerBase, form: str) -> str:
     """The BOS text prepended to a raw prompt (chat templates write their own), or ""."""
     if form == "raw" and tokenizer.bos_token and getattr(tokenizer, "add_bos_token", False):

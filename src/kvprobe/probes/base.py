@@ -13,6 +13,7 @@ from typing import Protocol
 import pandas as pd
 
 from kvprobe.datasets import AlignedCase
+from kvprobe.datasets.spans import region_of  # noqa: F401  (re-exported for the probes)
 
 RESULT_COLUMNS = ["model", "case_id", "probe", "layer", "head", "position", "region", "metric", "value"]
 REGIONS = ("field", "downstream", "prefix", "sink", "decision")
@@ -31,17 +32,6 @@ def register(cls):
     """Class decorator: add a probe class to :data:`PROBES` under its ``name``."""
     PROBES[cls.name] = cls
     return cls
-
-
-def region_of(a: AlignedCase, position: int) -> str:
-    """Where a cache position sits: sink (position 0), prefix, field, downstream or decision."""
-    if position == a.decision_pos:
-        return "decision"
-    if a.field[0] <= position < a.field[1]:
-        return "field"
-    if position >= a.field[1]:
-        return "downstream"
-    return "sink" if position == 0 else "prefix"
 
 
 def rows(model: str, case_id: str, probe: str, records: list[dict]) -> pd.DataFrame:

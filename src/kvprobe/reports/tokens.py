@@ -8,7 +8,7 @@ Rows: one per prompt position ``0..decision_pos`` of every case, with ``token`` 
 token in the old prompt *including the whitespace before it* (so joining the tokens of a case
 gives back its prompt), ``token_new`` the same for the new prompt (differs only on the field),
 ``kind`` (:data:`kvprobe.datasets.KINDS`, "field" on the field span) and ``region`` (sink,
-prefix, field, downstream, decision), as :func:`kvprobe.probes.base.region_of` names them.
+prefix, field, downstream, decision), as :func:`kvprobe.datasets.spans.region_of` names them.
 """
 
 from __future__ import annotations
@@ -17,19 +17,11 @@ from collections.abc import Iterable
 
 import pandas as pd
 
-TOKENS = "tokens.parquet"
+from kvprobe.datasets.spans import region_of
+from kvprobe.results import TOKENS  # noqa: F401  (re-exported)
+
 TOKEN_COLUMNS = ("case_id", "position", "token", "token_new", "kind", "region")
 
-
-def _region(a, p: int) -> str:
-    # the same rule as kvprobe.probes.base.region_of, restated so the reports never import the probes
-    if p == a.decision_pos:
-        return "decision"
-    if a.field[0] <= p < a.field[1]:
-        return "field"
-    if p >= a.field[1]:
-        return "downstream"
-    return "sink" if p == 0 else "prefix"
 
 
 def token_texts(tokenizer, text: str, ids: list[int]) -> list[str]:
@@ -69,5 +61,5 @@ def case_tokens(lm, aligned: Iterable) -> pd.DataFrame:
         assert len(old) == len(new) == len(a.ids_old), (len(old), len(new), len(a.ids_old))
         for p in range(a.decision_pos + 1):
             records.append({"case_id": a.case.case_id, "position": p, "token": old[p], "token_new": new[p],
-                            "kind": a.kinds[p], "region": _region(a, p)})
+                            "kind": a.kinds[p], "region": region_of(a, p)})
     return pd.DataFrame(records, columns=list(TOKEN_COLUMNS))
