@@ -252,6 +252,6 @@ def test_real_model_rerotation_beats_the_control():
     from tests.conftest import real_model
 
     lm = real_model("smollm2-135m")
-    df = K.run_compose(lm, n=6, seed=0, seams=[0, 4], block_tokens=(80, 120), n_blocks=(2, 3))
+    df = K.run_compose(lm, n=3, seed=0, seams=[0, 4], block_tokens=(80, 120), n_blocks=(2, 3))
     by = df.groupby(["rerotate", "seam"]).cosine.mean()
     assert by[(True, 0)] > by[(False, 0)] and by[(True, 4)] >= 0.95
