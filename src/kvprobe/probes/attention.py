@@ -22,7 +22,7 @@ import torch
 from kvprobe.datasets import AlignedCase
 from kvprobe.errors import KvprobeError
 from kvprobe.kv import cache as C
-from kvprobe.probes.base import register, region_of, rows
+from kvprobe.probes.base import region_of, register, rows, run_each
 
 ATTN_REGIONS = ("sink", "prefix", "field", "downstream", "decision")
 
@@ -61,8 +61,7 @@ class Attention:
     model_name: str = ""
 
     def run(self, lm, pairs: Sequence[AlignedCase]) -> pd.DataFrame:
-        frames = [self.run_case(lm, a) for a in pairs]
-        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+        return run_each(self, lm, pairs)
 
     def run_case(self, lm, a: AlignedCase) -> pd.DataFrame:
         att = decision_attention(lm, a)

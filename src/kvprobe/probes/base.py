@@ -34,6 +34,12 @@ def register(cls):
     return cls
 
 
+def run_each(probe, lm, pairs: Sequence[AlignedCase]) -> pd.DataFrame:
+    """``probe.run_case`` over the pairs, concatenated (the ``run`` of every per-case probe)."""
+    frames = [probe.run_case(lm, a) for a in pairs]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
 def rows(model: str, case_id: str, probe: str, records: list[dict]) -> pd.DataFrame:
     """A tidy frame with the shared columns first; missing shared columns are filled with None."""
     df = pd.DataFrame(records)

@@ -48,7 +48,7 @@ from kvprobe.datasets import AlignedCase
 from kvprobe.decision import logit_diff, option_scores
 from kvprobe.errors import KvprobeError
 from kvprobe.kv import cache as C
-from kvprobe.probes.base import register, rows
+from kvprobe.probes.base import register, rows, run_each
 from kvprobe.probes.engine import DEFAULT_BATCH_BYTES, PairCaches, Patch, cache_bytes, patched_reads
 from kvprobe.probes.locality import targets
 
@@ -274,8 +274,7 @@ class EdgeKnockout:
     model_name: str = ""
 
     def run(self, lm, pairs: Sequence[AlignedCase]) -> pd.DataFrame:
-        frames = [self.run_case(lm, a) for a in pairs]
-        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+        return run_each(self, lm, pairs)
 
     def layer_bands(self, n_layers: int) -> list[tuple[str, tuple[int, ...]]]:
         names = list(self.bands) + ([f"layer{i}" for i in range(n_layers)] if self.per_layer else [])
@@ -355,8 +354,7 @@ class HeadPatch:
     model_name: str = ""
 
     def run(self, lm, pairs: Sequence[AlignedCase]) -> pd.DataFrame:
-        frames = [self.run_case(lm, a) for a in pairs]
-        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+        return run_each(self, lm, pairs)
 
     def run_case(self, lm, a: AlignedCase, pc: PairCaches | None = None) -> pd.DataFrame:
         pc = pc or PairCaches.build(lm, a)

@@ -21,7 +21,7 @@ import torch
 
 from kvprobe.datasets import AlignedCase
 from kvprobe.decision import answer_targets, logit_diff, option_scores
-from kvprobe.probes.base import register, region_of, rows
+from kvprobe.probes.base import region_of, register, rows, run_each
 from kvprobe.probes.engine import PairCaches, Patch, patched_reads
 
 TOP_KS = (1, 4, 8, 16, 32, 128)
@@ -60,8 +60,7 @@ class Locality:
         return out
 
     def run(self, lm, pairs: Sequence[AlignedCase]) -> pd.DataFrame:
-        frames = [self.run_case(lm, a) for a in pairs]
-        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+        return run_each(self, lm, pairs)
 
     def run_case(self, lm, a: AlignedCase, pc: PairCaches | None = None) -> pd.DataFrame:
         pc = pc or PairCaches.build(lm, a)
