@@ -248,10 +248,26 @@ def test_validate_cli_writes_table_and_gates(tmp_path, monkeypatch):
 @pytest.mark.real
 @pytest.mark.slow
 @pytest.mark.skipif(not is_cached("smollm2-135m"), reason="smollm2-135m is not cached")
-def test_real_model_rerotation_beats_the_control():
+def test_real_model_rerotation_moves_keys_and_composes_close_to_recompute():
+    """On SmolLM2 the re-rotated layer-0 keys of a moved block match an in-place prefill far better
+    than the unmoved control, and composed logits stay close to full recompute. At the logit level
+    SmolLM2 barely tells the two apart over short moves (cosine 0.999 either way at n=50), so the
+    control comparison is made on the keys, where it is exact."""
     from tests.conftest import real_model
 
     lm = real_model("smollm2-135m")
+    ids = lm.tokenizer("Policy: refunds are allowed within thirty days of delivery.\n" * 6)["input_ids"]
+    pre, lead, block_ids, q = ids[:1], ids[1:40], ids[40:120], ids[120:140]
+    block = K.precompile(lm, block_ids, pre)
+    moved = K.compose(lm, [pre + lead, block, q])
+    control = K.compose(lm, [pre + lead, block, q], rerotate=False)
+    _, fresh = C.prefill(lm.model, torch.tensor(pre + lead + block_ids + q))
+    lo, hi = moved.spans[0][:2]
+    want = C.get_kv(fresh, 0)[0][:, :, lo:hi]
+    err_moved = maxdiff(C.get_kv(moved.cache, 0)[0][:, :, lo:hi], want)
+    err_control = maxdiff(C.get_kv(control.cache, 0)[0][:, :, lo:hi], want)
+    assert err_moved <= 1e-3 and err_control > 100 * err_moved, (err_moved, err_control)
+
     df = K.run_compose(lm, n=3, seed=0, seams=[0, 4], block_tokens=(80, 120), n_blocks=(2, 3))
     by = df.groupby(["rerotate", "seam"]).cosine.mean()
-    assert by[(True, 0)] > by[(False, 0)] and by[(True, 4)] >= 0.95
+    assert by[(True, 0)] >= 0.95 and by[(True, 4)] >= 0.95
