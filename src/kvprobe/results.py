@@ -25,6 +25,8 @@ COMPOSE = "compose.parquet"
 RANKING_RULE = "ranking_rule.json"
 TOKENS = "tokens.parquet"
 TTFT = "ttft.parquet"
+SERVING = "serving.parquet"  # kvprobe serve-bench: one row per request (kvprobe.serving.bench.COLUMNS)
+SERVING_MANIFEST = "serving_manifest.json"
 REPORT = "report.html"
 
 

