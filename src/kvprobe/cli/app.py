@@ -31,6 +31,7 @@ from kvprobe.cli.edit import edit  # noqa: E402
 from kvprobe.cli.run import export_topk, run  # noqa: E402
 from kvprobe.cli.validate import validate  # noqa: E402
 from kvprobe.cli.report import report  # noqa: E402
+from kvprobe.cli.serve import serve_app, serve_bench  # noqa: E402
 
 app.add_typer(datasets_app, name="datasets")
 app.add_typer(toy_app, name="toy")
@@ -39,6 +40,8 @@ app.command("run")(run)
 app.command("export-topk")(export_topk)
 app.command("validate")(validate)
 app.command("report")(report)
+app.add_typer(serve_app, name="serve")
+app.command("serve-bench")(serve_bench)
 
 
 @models_app.callback()

@@ -9,12 +9,12 @@ import typer
 from kvprobe.cli.common import console
 
 
-def report(results_dirs: list[Path] = typer.Argument(..., help="results folders of `kvprobe run` / `kvprobe validate`; "
+def report(results_dirs: list[Path] = typer.Argument(..., help="results folders of `kvprobe run` / `validate` / `serve-bench`; "
                                                                 "several give one column per model"),
            out: Path | None = typer.Option(None, help="HTML file (default: RESULTS_DIR/report.html for one folder, "
                                                       "report.html for several)")) -> None:
-    """Render the notes map, edit strategies, locality, linear probes, knockout, top-K, composition and
-    run facts into one HTML file with no external resources."""
+    """Render the notes map, edit strategies, locality, linear probes, knockout, top-K, composition,
+    serving and run facts into one HTML file with no external resources."""
     from kvprobe.reports.render import render_report
 
     out = out or (results_dirs[0] / "report.html" if len(results_dirs) == 1 else Path("report.html"))

@@ -1,0 +1,176 @@
+"""``kvprobe serve setup|start|stop|status`` and ``kvprobe serve-bench``: the erratum on a real vLLM server."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from kvprobe.cli.common import console, err_console, progress_bar
+from kvprobe.errors import KvprobeError
+
+serve_app = typer.Typer(help="A vLLM server (CPU build, in its own environment) for the serving benchmark.",
+                        no_args_is_help=True)
+
+
+@serve_app.command("setup")
+def setup() -> None:
+    """Create the vLLM environment under KVPROBE_HOME (once; about a minute and 3.4 GB)."""
+    import time
+
+    from kvprobe.serving import env
+
+    start = time.perf_counter()
+    with err_console.status("checking the vLLM environment") as status:
+        def step(name: str) -> None:
+            console.print(f"[dim]{time.perf_counter() - start:6.1f} s[/dim] {name}")
+            status.update(name)
+
+        venv, did = env.setup(progress=lambda line: status.update(line), step=step)
+    if did:
+        console.print(f"vLLM ({env.vllm_version(venv)}) ready in {venv} ({time.perf_counter() - start:.0f} s)")
+    else:
+        console.print(f"vLLM ({env.vllm_version(venv)}) is already set up in {venv}")
+
+
+@serve_app.command("start")
+def start(model: str = typer.Option(..., help="a bundled alias, see `kvprobe models`"),
+          timeout: float = typer.Option(420.0, min=10, help="seconds to wait for the server's health")) -> None:
+    """Start the vLLM OpenAI server for MODEL on 127.0.0.1 (a free port) and wait until it is healthy."""
+    import time
+
+    from kvprobe.serving import server
+
+    t0 = time.perf_counter()
+    with err_console.status(f"starting vLLM for {model}") as status:
+        state = server.start(model, timeout_s=timeout, progress=lambda msg: status.update(msg))
+    console.print(f"vLLM serving {model} at {state.url} (pid {state.pid}, block size {state.block_size}, "
+                  f"ready in {time.perf_counter() - t0:.0f} s); log {state.log}; stop it with `kvprobe serve stop`")
+
+
+@serve_app.command("stop")
+def stop() -> None:
+    """Stop the server `kvprobe serve start` started (its whole process group)."""
+    from kvprobe.serving import server
+
+    state = server.stop()
+    console.print(f"stopped the vLLM server for {state.model} (pid {state.pid}, {state.url})")
+
+
+@serve_app.command("status")
+def status() -> None:
+    """Say whether the environment is set up and whether a server is running."""
+    from kvprobe.serving import env, server
+
+    console.print(f"environment: {'ready, vLLM ' + str(env.vllm_version()) if env.is_ready() else 'not set up'} "
+                  f"({env.venv_dir()})")
+    state = server.read_state()
+    console.print("server: none running" if state is None else
+                  f"server: {state.model} at {state.url}, pid {state.pid}, started by `kvprobe {state.owner}`")
+
+
+def _fmt(x, digits: int = 2, scale: float = 1.0, unit: str = "") -> str:
+    return "n/a" if x is None or not math.isfinite(float(x)) else f"{float(x) * scale:.{digits}f}{unit}"
+
+
+def print_summary(summary, ratios, title: str) -> None:
+    from kvprobe.serving.metrics import rate_label
+
+    table = Table(title=title)
+    for col in ("rate /s", "arm", "ok/n", "hit rate (metrics)", "hit rate (usage)", "agree", "ceiling",
+                "TTFT p50", "p90", "p99", "req/s", "decision agreement"):
+        table.add_column(col, justify="right")
+    for r in summary.itertuples():
+        agree = {True: "yes", False: "[red]NO[/red]", None: "n/a"}[r.hit_rates_agree]
+        table.add_row(rate_label(r.rate), r.arm, f"{r.ok}/{r.n}", _fmt(r.hit_rate_metrics, 1, 100, "%"),
+                      _fmt(r.hit_rate_usage, 1, 100, "%"), agree, _fmt(r.ceiling, 1, 100, "%"),
+                      _fmt(r.ttft_p50, 0, 1000, " ms"), _fmt(r.ttft_p90, 0, 1000, " ms"),
+                      _fmt(r.ttft_p99, 0, 1000, " ms"), _fmt(r.throughput, 2),
+                      f"{_fmt(r.agreement, 2)} (n={r.n_agreement})")
+    console.print(table)
+    if len(ratios):
+        t = Table(title="erratum against the in-prefix edit (unique values)")
+        for col in ("rate /s", "TTFT p50 edit/erratum", "TTFT p90 edit/erratum", "throughput erratum/edit",
+                    "hit rate erratum", "hit rate edit"):
+            t.add_column(col, justify="right")
+        for r in ratios.itertuples():
+            t.add_row(rate_label(r.rate), _fmt(r.ttft_p50_ratio, 1, unit="x"), _fmt(r.ttft_p90_ratio, 1, unit="x"),
+                      _fmt(r.throughput_ratio, 1, unit="x"), _fmt(r.hit_rate_erratum, 1, 100, "%"),
+                      _fmt(r.hit_rate_edit, 1, 100, "%"))
+        console.print(t)
+
+
+def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF folder) the server serves"),
+                url: str | None = typer.Option(None, help="an OpenAI-compatible vLLM server; default: kvprobe's "
+                                                          "running server, or one started (and stopped) for this run"),
+                out: Path | None = typer.Option(None, help="results folder (default results/serving-MODEL)"),
+                rates: str = typer.Option("0.5,1,2,inf", help="Poisson arrival rates per second; inf = saturation"),
+                n: int = typer.Option(16, min=1, help="requests per (rate, arm) run"),
+                max_s: float = typer.Option(60.0, min=1, help="per run: no new request after this many seconds"),
+                arms: str = typer.Option("unchanged,edit_unique,edit_set,erratum", help="arms to run"),
+                policy_tokens: int = typer.Option(1500, help="length of the static policy prompt (1000-8000)"),
+                domain: str | None = typer.Option(None, help="the policy's domain (default: seeded choice)"),
+                erratum_template: str = typer.Option("short", help="paper, short, a top-K YAML file (its "
+                                                                   "erratum_template) or a literal template"),
+                seed: int = 0) -> None:
+    """Erratum against in-prefix edit under Poisson load: prefix-cache hit rate, TTFT, throughput and
+    decision agreement, into RESULTS/serving.parquet (resumable: run it again after a crash)."""
+    import time
+
+    from pydantic import ValidationError
+
+    from kvprobe.serving import bench, server
+    from kvprobe.serving.client import ServerGone, normalize_url, served_models
+    from kvprobe.serving.metrics import parse_rates
+
+    try:
+        cfg = bench.BenchConfig(model=model, rates=parse_rates(rates), n=n, max_s=max_s,
+                                arms=[a.strip() for a in arms.split(",") if a.strip()], policy_tokens=policy_tokens,
+                                seed=seed, domain=domain, erratum_template=erratum_template)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise KvprobeError(f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    bench.resolve_template(cfg.erratum_template)  # a bad template fails before any server starts
+    bench.check_model(model)  # so does an unknown model
+    out = out or Path("results") / f"serving-{Path(model).name}"
+    own = None
+    if url is not None:
+        url = normalize_url(url)
+        served_models(url)  # reachable?
+    else:
+        running = server.read_state()
+        if running is not None and running.model != model:
+            raise KvprobeError(f"kvprobe's running server serves {running.model}, not {model}; "
+                               f"run `kvprobe serve stop` first, or pass --url")
+        if running is not None:
+            url = running.url
+        else:
+            from kvprobe.serving import env
+
+            env.require_ready()
+            t0 = time.perf_counter()
+            with err_console.status(f"starting vLLM for {model} (for this run only)") as status:
+                own = server.start(model, owner="serve-bench", progress=lambda msg: status.update(msg))
+            url = own.url
+            err_console.print(f"vLLM ready at {url} in {time.perf_counter() - t0:.0f} s (stopped after the run)")
+    t0 = time.perf_counter()
+    try:
+        total = len(cfg.rates) * len(cfg.arms) * cfg.n
+        with progress_bar() as bar:
+            task = bar.add_task("serve-bench", total=total)
+            run = bench.Bench(cfg, url, out, progress=lambda msg: bar.update(task, description=msg),
+                              advance=lambda: bar.advance(task), facts={"own_server": own is not None})
+            path = run.run()
+    except ServerGone as exc:
+        if own is not None:
+            raise ServerGone(f"{exc}; server log {own.log}: {server.log_tail(own.log, 6)}") from None
+        raise
+    finally:
+        if own is not None:
+            server.stop(own)
+    summary, ratios = bench.summarize_folder(out)
+    print_summary(summary, ratios, f"serve-bench {model}: {int(summary.prompt_tokens.mean())} prompt tokens, "
+                                   f"block size {run.block_size} ({time.perf_counter() - t0:.0f} s)")
+    console.print(f"wrote {path}")
