@@ -193,6 +193,51 @@ def test_composition_and_ttft(tmp_path):
     assert "lacks the column(s) rerotate, agree" in render_html([folder])
 
 
+def _serving_rows() -> pd.DataFrame:
+    """A small serve-bench table: two loads, four arms, the erratum cached and the edit not."""
+    from kvprobe.serving.bench import COLUMNS
+
+    rows = []
+    for rate, wall in ((1.0, 12.0), (float("inf"), 6.0)):
+        for arm, cached, ttft in (("unchanged", 1472, 0.05), ("edit_unique", 32, 1.5), ("edit_set", 700, 0.6),
+                                  ("erratum", 1440, 0.08)):
+            for i in range(12):
+                rows.append({c: None for c in COLUMNS} | {
+                    "model": "smollm2-135m", "served_model": "smollm2-135m", "rate": rate, "arm": arm,
+                    "request": i, "value": f"v{i}", "prompt_tokens": 1500, "cached_tokens": float(cached),
+                    "cached_reported": True, "ceiling_tokens": max(cached, 32), "hit_rate": cached / 1500,
+                    "ttft_s": ttft * (1 + i / 10), "latency_s": ttft + 0.1, "send_s": i / 2, "finish_s": i / 2 + 1,
+                    "answer": "yes", "text": " yes", "oracle_answer": "yes" if i % 6 else "no", "rule_answer": "yes",
+                    "agree": float(bool(i % 6)), "ok": True, "error": "", "run_sent": 12, "run_wall_s": wall,
+                    "run_queries": 18000.0, "run_hits": 12.0 * cached, "block_size": 32,
+                    "base_prompt_tokens": 1480})
+    return pd.DataFrame(rows)
+
+
+def test_serving_section(variant, tmp_path):
+    from kvprobe.results import SERVING, SERVING_MANIFEST
+
+    alone = tmp_path / "serving-only"
+    alone.mkdir()
+    _serving_rows().to_parquet(alone / SERVING, index=False)
+    (alone / SERVING_MANIFEST).write_text(json.dumps({"served_model": "smollm2-135m", "url": "http://127.0.0.1:1",
+                                                      "block_size": 32, "policy": {"erratum_ceiling": 0.96}}))
+    html = render_html([alone])
+    assert sections(html) == ["serving"] and columns(html, "serving") == ["smollm2-135m"]
+    body = html.split('<section id="serving"', 1)[1].split("</section>", 1)[0]
+    assert body.count("<img ") == 2  # hit-rate bars; TTFT and throughput against load
+    assert "Erratum against the in-prefix edit" in body and "saturation" in body
+    assert "96.0%" in body and "2.1%" in body  # erratum and edit hit rates, from the counters
+    # beside a probe run: its own section, before the run facts; absent where there is no serving.parquet
+    folder = variant()
+    _serving_rows().to_parquet(folder / SERVING, index=False)
+    assert sections(render_html([folder])) == ALL[:-1] + ["serving", "facts"]
+    both = render_html([folder, variant("plain")])
+    assert "Not in this folder (no serving.parquet)" in both.split('<section id="serving"', 1)[1]
+    _serving_rows().drop(columns=["run_hits"]).to_parquet(alone / SERVING, index=False)
+    assert "lacks the column(s) run_hits" in render_html([alone])
+
+
 def test_cli_report(tiny_results, tmp_path):
     from typer.testing import CliRunner
 

@@ -2,7 +2,8 @@
 
 A folder is whatever ``kvprobe run`` or ``kvprobe validate`` wrote: ``manifest.json`` and the
 probe tables, and/or ``compose.parquet`` with ``compose_manifest.json``, optionally
-``tokens.parquet`` (:mod:`kvprobe.reports.tokens`) and ``ttft.parquet`` (:data:`TTFT`).
+``tokens.parquet`` (:mod:`kvprobe.reports.tokens`) and ``ttft.parquet`` (:data:`TTFT`), and/or
+``serving.parquet`` with ``serving_manifest.json`` (``kvprobe serve-bench``).
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ from kvprobe.errors import KvprobeError
 from kvprobe.export import TOPK_FILE
 from kvprobe.reports.tokens import TOKENS
 from kvprobe.results import (ATTENTION, COMPOSE, CONCENTRATION, EDITS, KNOCKOUT, LINEAR, LOCALITY, MANIFEST,
-                             RANKING_RULE, VALIDITY)
+                             RANKING_RULE, SERVING, SERVING_MANIFEST, VALIDITY)
 
 # Time to first token, full prefill against a composed cache: one row per (block_tokens, timed repeat),
 # columns block_tokens, full_s, compose_s, speedup (= full_s / compose_s); optional: model, seam.
 TTFT = "ttft.parquet"
 COMPOSE_MANIFEST = "compose_manifest.json"
-TABLES = (VALIDITY, LOCALITY, CONCENTRATION, ATTENTION, KNOCKOUT, LINEAR, EDITS, COMPOSE, TOKENS, TTFT)
-KNOWN = (MANIFEST, COMPOSE_MANIFEST, TOPK_FILE, RANKING_RULE) + TABLES
+TABLES = (VALIDITY, LOCALITY, CONCENTRATION, ATTENTION, KNOCKOUT, LINEAR, EDITS, COMPOSE, TOKENS, TTFT, SERVING)
+KNOWN = (MANIFEST, COMPOSE_MANIFEST, SERVING_MANIFEST, TOPK_FILE, RANKING_RULE) + TABLES
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Run:
     label: str
     manifest: dict = field(default_factory=dict)
     compose_manifest: dict = field(default_factory=dict)
+    serving_manifest: dict = field(default_factory=dict)
     ranking_rule: dict = field(default_factory=dict)
     topk_text: str | None = None
     topk: dict = field(default_factory=dict)
@@ -75,12 +77,14 @@ def load_run(folder: Path | str) -> Run:
     present = [name for name in KNOWN if (folder / name).exists()]
     if not present:
         raise KvprobeError(f"{folder} is not a kvprobe results folder (none of {MANIFEST}, {COMPOSE}, ... found); "
-                           f"run `kvprobe run` or `kvprobe validate` first")
+                           f"run `kvprobe run`, `kvprobe validate` or `kvprobe serve-bench` first")
     run = Run(folder=folder, label="")
     if (folder / MANIFEST).exists():
         run.manifest = _json(folder / MANIFEST)
     if (folder / COMPOSE_MANIFEST).exists():
         run.compose_manifest = _json(folder / COMPOSE_MANIFEST)
+    if (folder / SERVING_MANIFEST).exists():
+        run.serving_manifest = _json(folder / SERVING_MANIFEST)
     if (folder / RANKING_RULE).exists():
         run.ranking_rule = _json(folder / RANKING_RULE)
     if (folder / TOPK_FILE).exists():
@@ -102,7 +106,7 @@ def _label(run: Run) -> str:
         m = run.compose_manifest.get("model")
         spec = m.get("spec") if isinstance(m, dict) else m
     if not spec:
-        for name in (COMPOSE, TTFT):
+        for name in (COMPOSE, TTFT, SERVING):
             df = run.tables.get(name)
             if df is not None and "model" in df and len(df):
                 spec = str(df["model"].iloc[0])

@@ -18,7 +18,7 @@ from kvprobe.reports.load import TTFT, Run, load_runs
 from kvprobe.reports.sections import BUILDERS, fmt
 from kvprobe.reports.stats import MAX_CI_WIDTH, MIN_N, RULE
 from kvprobe.reports.tokens import TOKENS
-from kvprobe.results import COMPOSE, EDITS, KNOCKOUT, LINEAR, LOCALITY, MANIFEST
+from kvprobe.results import COMPOSE, EDITS, KNOCKOUT, LINEAR, LOCALITY, MANIFEST, SERVING
 
 TEMPLATE = "report.html"
 
@@ -51,7 +51,13 @@ SECTIONS = (
      "Composed caches (precompiled blocks spliced with re-rotated keys and s seam tokens recomputed) against a full "
      "recompute: decision agreement and logit cosine by seam size, with and without re-rotation; time-to-first-token "
      "speedup where a benchmark result is present."),
-    ("facts", "8. Run facts", MANIFEST,
+    ("serving", "8. Serving", SERVING,
+     "The erratum against the in-prefix edit on a real vLLM server under Poisson load (kvprobe serve-bench): the "
+     "prefix-cache hit rate from the server's /metrics counters and from each response's cached_tokens, against the "
+     "block-granularity ceiling (whole KV blocks of a prefix an earlier request filled, never the last token); "
+     "time to first token and throughput against the offered load; and how often each arm's answer agrees with "
+     "the oracle, the greedy answer on the prompt with the current value written in place."),
+    ("facts", "9. Run facts", MANIFEST,
      "Model, fingerprint, dataset, case counts (valid, skipped, invalid with reasons), versions, seed and wall time."),
 )
 
