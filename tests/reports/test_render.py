@@ -228,6 +228,9 @@ def test_serving_section(variant, tmp_path):
     assert body.count("<img ") == 2  # hit-rate bars; TTFT and throughput against load
     assert "Erratum against the in-prefix edit" in body and "saturation" in body
     assert "96.0%" in body and "2.1%" in body  # erratum and edit hit rates, from the counters
+    assert "cannot tell a right answer from a stuck one" not in body
+    _serving_rows().assign(oracle_answer="yes").to_parquet(alone / SERVING, index=False)
+    assert "oracle gave one answer for every value of edit_unique, edit_set, erratum" in render_html([alone])
     # beside a probe run: its own section, before the run facts; absent where there is no serving.parquet
     folder = variant()
     _serving_rows().to_parquet(folder / SERVING, index=False)

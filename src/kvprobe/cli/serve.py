@@ -90,6 +90,10 @@ def print_summary(summary, ratios, title: str) -> None:
                       _fmt(r.ttft_p99, 0, 1000, " ms"), _fmt(r.throughput, 2),
                       f"{_fmt(r.agreement, 2)} (n={r.n_agreement})")
     console.print(table)
+    stuck = sorted({r.arm for r in summary.itertuples() if r.arm != "unchanged" and r.oracle_answers == 1})
+    if stuck:
+        console.print(f"[yellow]note:[/yellow] the oracle gave one answer for every value in the runs of "
+                      f"{', '.join(stuck)}: there, decision agreement cannot tell a right answer from a stuck one")
     if len(ratios):
         t = Table(title="erratum against the in-prefix edit (unique values)")
         for col in ("rate /s", "TTFT p50 edit/erratum", "TTFT p90 edit/erratum", "throughput erratum/edit",

@@ -9,7 +9,9 @@ Hit rate, two ways that must agree::
 
 Ceiling: the prefix cache hands out whole blocks, and never the prompt's last token (its logits
 must be computed), so a request of P tokens can hit at most ``B * floor((P - 1) / B)`` tokens, and
-only the leading blocks that an earlier request already filled (:class:`BlockCeiling`).
+only the leading blocks that an earlier request already filled (:class:`BlockCeiling`). The
+per-request ceiling follows the send order; requests sent together may reach the engine in another
+order, so compare sums over a run (a run's ceiling), not single requests.
 """
 
 from __future__ import annotations
@@ -200,7 +202,8 @@ SUMMARY_KEYS = ("rate", "arm")
 
 def summarize(df: pd.DataFrame, usage_reported: bool | None = None) -> pd.DataFrame:
     """One row per (rate, arm): counts, both hit rates and whether they agree, the ceiling, TTFT
-    percentiles, throughput and decision agreement with the oracle.
+    percentiles, throughput and decision agreement with the oracle (``oracle_answers``: how many
+    distinct answers the oracle gave; with one, agreement cannot tell a right arm from a stuck one).
 
     ``usage_reported``: whether the server reports cached tokens per request at all (default: some
     row of ``df`` has them); when it does not, the usage hit rate is NaN rather than 0.
@@ -229,6 +232,8 @@ def summarize(df: pd.DataFrame, usage_reported: bool | None = None) -> pd.DataFr
             "ttft_p99": percentile(ok["ttft_s"], 99),
             "throughput": len(ok) / wall if wall > 0 else float("nan"),
             "agreement": float(agree.mean()) if len(agree) else float("nan"), "n_agreement": len(agree),
+            "oracle_answers": int(ok.loc[ok["oracle_answer"] != "?", "oracle_answer"].nunique())
+            if "oracle_answer" in ok else 0,
         })
     return pd.DataFrame(rows)
 
