@@ -1,0 +1,72 @@
+"""The serving benchmark on the real engine: vLLM's CPU build serving SmolLM2-135M.
+
+Time budget (stated, and enforced by the timeout below): setting up the environment 2-5 minutes
+the first time (pip, 3.4 GB; seconds once done), server start-up 75-115 s idle and up to 7 minutes
+on a busy machine (the start's own limit), 20 requests per arm at saturation plus their oracles
+1-3 minutes, stop under 30 s: 20 minutes in all at most. Skipped only where pip says the CPU build
+has no release for this platform or Python. The server is stopped whatever happens, and the test
+checks that none of its processes is left.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pandas as pd
+import pytest
+
+from kvprobe.serving import env, server
+from kvprobe.serving import metrics as M
+
+pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.vllm]
+MODEL = "smollm2-135m"
+BUDGET_S = 20 * 60
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    """kvprobe's vLLM server for SmolLM2-135M (its state and log in a temporary folder, so a server
+    the user started is neither seen nor touched), stopped after the module."""
+    try:
+        env.setup()
+    except env.SetupUnavailable as exc:
+        pytest.skip(f"vLLM's CPU build cannot be installed here: {exc}")
+    serve_dir = tmp_path_factory.mktemp("serve")
+    mp = pytest.MonkeyPatch()
+    mp.setattr(server, "serve_dir", lambda: serve_dir)
+    t0 = time.monotonic()
+    state = server.start(MODEL, owner="pytest")
+    started_s = time.monotonic() - t0
+    try:
+        yield state, started_s
+    finally:
+        server.stop(state)
+        mp.undo()
+        assert not server._group_alive(state.pid), "a vLLM process outlived `stop`"
+
+
+@pytest.mark.timeout(BUDGET_S)
+def test_erratum_keeps_the_prefix_cache_and_the_edit_does_not(vllm_server, tmp_path):
+    from kvprobe.serving.bench import Bench, BenchConfig
+
+    state, started_s = vllm_server
+    assert server.healthy(state.url) and server.read_state(server.state_path()) == state
+    cfg = BenchConfig(model=MODEL, rates=[math.inf], n=20, max_s=60, policy_tokens=1500)
+    t0 = time.monotonic()
+    path = Bench(cfg, state.url, tmp_path).run()
+    bench_s = time.monotonic() - t0
+    df = pd.read_parquet(path)
+    s = M.summarize(df).set_index("arm")
+    print(f"\nstart-up {started_s:.0f} s, benchmark {bench_s:.0f} s\n{s.round(3).to_string()}")
+    assert df["ok"].all() and len(df) == 4 * 20
+    assert df["cached_reported"].all()  # --enable-prompt-tokens-details reached the server
+    for arm, r in s.iterrows():  # the two measures of the hit rate agree
+        assert r.hit_rates_agree, (arm, r.hit_rate_metrics, r.hit_rate_usage)
+    erratum, edit = s.loc["erratum"], s.loc["edit_unique"]
+    assert erratum.hit_rate_metrics > 0.8 and erratum.hit_rate_metrics >= 0.9 * erratum.ceiling
+    assert edit.hit_rate_metrics < 0.1 and erratum.hit_rate_metrics > 8 * edit.hit_rate_metrics
+    assert s.loc["unchanged"].hit_rate_metrics > 0.9
+    assert (s.hit_rate_usage <= s.ceiling + 1e-9).all()  # the ceiling bounds each arm (sums: order-free)
+    assert erratum.ttft_p50 < edit.ttft_p50  # a cached prefix is faster to the first token
+
