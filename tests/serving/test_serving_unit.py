@@ -77,6 +77,8 @@ def test_values_per_arm(policy):
     assert set(small) <= set(policy.value_set) and len(set(small)) > 1
     assert arm_values(policy, "unchanged", 3, 0, 0) == [policy.base_value] * 3
     assert arm_values(policy, "erratum", 5, 10, 0) == arm_values(policy, "edit_unique", 5, 10, 0)
+    a, b = unique_values(policy, 5, salt="3f9a1c2e"), unique_values(policy, 5, salt="0b17d4aa")
+    assert not set(a) & set(b) and a[0].split("T")[0] != b[0].split("T")[0]  # apart early: the dates differ
     with pytest.raises(KvprobeError, match="unknown arm"):
         arm_values(policy, "rewrite", 1, 0, 0)
 
@@ -337,6 +339,12 @@ def test_bench_against_a_stand_in_server(byte_bench, fake_vllm, tmp_path):
     assert df[df["arm"].isin(["edit_unique", "edit_set"])]["agree"].eq(1.0).all()
     manifest = json.loads((out / SERVING_MANIFEST).read_text())
     assert manifest["block_size"] == 32 and manifest["policy"]["erratum_ceiling"] > 0.9
+    # a second benchmark on the same warm server: its unique values are unique still
+    again = M.summarize(pd.read_parquet(byte_bench.Bench(_cfg(byte_bench), fake.url, tmp_path / "again").run()))
+    again = again.set_index("arm")
+    assert (again.loc["edit_unique", "hit_rate_usage"] < 0.1).all()
+    # at most a block past the ceiling: the first request per decision word shares "-> delivered (updated 20"
+    assert (again.loc["erratum", "hit_rate_usage"] <= again.loc["erratum", "ceiling"] + 32 / 3000).all()
     # resuming a finished run sends nothing but the warm-up
     before = fake.completions
     byte_bench.Bench(_cfg(byte_bench), fake.url, out).run()

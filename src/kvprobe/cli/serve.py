@@ -81,7 +81,7 @@ def print_summary(summary, ratios, title: str) -> None:
     table = Table(title=title)
     for col in ("rate /s", "arm", "ok/n", "hit rate (metrics)", "hit rate (usage)", "agree", "ceiling",
                 "TTFT p50", "p90", "p99", "req/s", "decision agreement"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", no_wrap=col == "arm")
     for r in summary.itertuples():
         agree = {True: "yes", False: "[red]NO[/red]", None: "n/a"}[r.hit_rates_agree]
         table.add_row(rate_label(r.rate), r.arm, f"{r.ok}/{r.n}", _fmt(r.hit_rate_metrics, 1, 100, "%"),
@@ -90,6 +90,10 @@ def print_summary(summary, ratios, title: str) -> None:
                       _fmt(r.ttft_p99, 0, 1000, " ms"), _fmt(r.throughput, 2),
                       f"{_fmt(r.agreement, 2)} (n={r.n_agreement})")
     console.print(table)
+    above = [f"{rate_label(r.rate)}/{r.arm}" for r in summary.itertuples() if r.hit_rate_usage > r.ceiling + 0.01]
+    if above:
+        console.print(f"[yellow]note:[/yellow] hit rate above the ceiling in {', '.join(above)}: the server held "
+                      f"these prompts from before this benchmark")
     stuck = sorted({r.arm for r in summary.itertuples() if r.arm != "unchanged" and r.oracle_answers == 1})
     if stuck:
         console.print(f"[yellow]note:[/yellow] the oracle gave one answer for every value in the runs of "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -191,6 +192,7 @@ class Bench:
         self.ceiling = M.BlockCeiling(self.block_size or 1)
         self.oracle: dict[str, str] = {}
         self.store = CaseStore(self.out, TABLE)
+        self.salt = secrets.token_hex(4)  # a resumed folder keeps its own (see _check_resume)
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def manifest(self) -> dict:
@@ -202,7 +204,8 @@ class Bench:
             version = get_json(f"{self.url}/version").get("version")
         except (OSError, ValueError):
             version = None
-        return {"command": "serve-bench", "config": self.cfg.model_dump(), "url": self.url, **self.facts,
+        return {"command": "serve-bench", "config": self.cfg.model_dump(), "unique_salt": self.salt,
+                "url": self.url, **self.facts,
                 "served_model": self.served, "server_version": version, "block_size": self.block_size,
                 "prefix_cache_counters": self.has_counters,
                 "policy": {"domain": p.case.domain, "field": p.field, "base_value": p.base_value,
@@ -213,16 +216,18 @@ class Bench:
                            "example_erratum": p.text(self.tok, erratum_value=p.value_set[-1])[-400:]}}
 
     def _check_resume(self) -> None:
+        """A folder with a manifest is resumed: same configuration, same unique values (its salt)."""
         import json
 
         path = self.out / SERVING_MANIFEST
         if not path.exists():
             return
         try:
-            old = json.loads(path.read_text()).get("config")
+            manifest = json.loads(path.read_text())
         except (OSError, ValueError):
-            old = None
-        if old != self.cfg.model_dump():
+            manifest = {}
+        self.salt = manifest.get("unique_salt", self.salt)
+        if manifest.get("config") != self.cfg.model_dump():
             raise KvprobeError(f"{self.out} holds a serving run with another configuration; give another --out "
                                f"or remove {path.name} and parts/{TABLE}/ there")
 
@@ -296,7 +301,7 @@ class Bench:
 
     def run_one(self, rate: float, k: int, arm: str, schedule: list[float]) -> pd.DataFrame:
         cfg, p = self.cfg, self.policy
-        values = arm_values(p, arm, cfg.n, start=k * cfg.n, seed=cfg.seed)
+        values = arm_values(p, arm, cfg.n, start=k * cfg.n, seed=cfg.seed, salt=self.salt)
         prompts = [p.arm_prompt(self.tok, arm, v) for v in values]
         before = M.parse_prometheus(scrape_metrics(self.url))
         results, sent, wall = fire(self.url, self.served, prompts, schedule, cfg.max_s, cfg.max_tokens, self.advance)

@@ -11,7 +11,9 @@ Ceiling: the prefix cache hands out whole blocks, and never the prompt's last to
 must be computed), so a request of P tokens can hit at most ``B * floor((P - 1) / B)`` tokens, and
 only the leading blocks that an earlier request already filled (:class:`BlockCeiling`). The
 per-request ceiling follows the send order; requests sent together may reach the engine in another
-order, so compare sums over a run (a run's ceiling), not single requests.
+order, so compare sums over a run (a run's ceiling), not single requests. The ceiling knows only
+what this benchmark sent: a warm server that served the same prompts before (the base prompt, the
+small value set) can beat it; unique values never repeat across benchmarks (their salt).
 """
 
 from __future__ import annotations

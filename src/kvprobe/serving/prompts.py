@@ -145,16 +145,23 @@ def build_policy(tokenizer, policy_tokens: int = DEFAULT_POLICY_TOKENS, seed: in
     return policy
 
 
-def unique_values(policy: Policy, n: int, start: int = 0, seed: int = 0) -> list[str]:
+def unique_values(policy: Policy, n: int, start: int = 0, seed: int = 0, salt: str = "") -> list[str]:
     """``n`` field values never repeated: a decision value (alternating allow and deny, seeded)
-    with a fresh timestamp, e.g. ``delivered (updated 2025-03-01T09:00:07)``; ``start`` offsets the
-    timestamps so that values of later runs differ from earlier ones."""
+    with a fresh timestamp, e.g. ``delivered (updated 2026-07-14T03:12:55, run 3f9a1c2e)``.
+
+    ``start`` offsets the timestamps so that values of later runs differ from earlier ones; ``salt``
+    (hex, one per benchmark folder) keeps them apart from every earlier benchmark's, whose prompts a
+    warm server may still hold in its cache.
+    """
     rng = random.Random(f"{seed}:{start}")
+    tail = f", run {salt}" if salt else ""
+    # the salt moves the timestamps too, so that values differ from an earlier benchmark's early on
+    offset = int(salt, 16) % (5 * 365 * 86400) if salt else 0
     out = []
     for i in range(n):
         side = policy.allow if (start + i) % 2 == 0 else policy.deny
-        stamp = (UNIQUE_EPOCH + timedelta(seconds=7 * (start + i) + 1)).strftime("%Y-%m-%dT%H:%M:%S")
-        out.append(f"{rng.choice(side)} (updated {stamp})")
+        stamp = (UNIQUE_EPOCH + timedelta(seconds=offset + 7 * (start + i) + 1)).strftime("%Y-%m-%dT%H:%M:%S")
+        out.append(f"{rng.choice(side)} (updated {stamp}{tail})")
     return out
 
 
@@ -164,12 +171,12 @@ def set_values(policy: Policy, n: int, seed: int = 0) -> list[str]:
     return [rng.choice(policy.value_set) for _ in range(n)]
 
 
-def arm_values(policy: Policy, arm: str, n: int, start: int, seed: int) -> list[str]:
-    """The current field value of each of an arm's ``n`` requests."""
+def arm_values(policy: Policy, arm: str, n: int, start: int, seed: int, salt: str = "") -> list[str]:
+    """The current field value of each of an arm's ``n`` requests (see :func:`unique_values`)."""
     if arm == "unchanged":
         return [policy.base_value] * n
     if arm in ("edit_unique", "erratum"):
-        return unique_values(policy, n, start, seed)
+        return unique_values(policy, n, start, seed, salt)
     if arm == "edit_set":
         return set_values(policy, n, seed + start)
     raise KvprobeError(f"unknown arm {arm!r}; accepted: {', '.join(ARMS)}")
