@@ -5,6 +5,7 @@ model's decisions under the old and the new value.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import pandas as pd
@@ -26,13 +27,26 @@ def edit_case(lm, a: AlignedCase, strategies: Sequence[E.Strategy], cot_tokens: 
     ctx = E.make_context(lm, a, ranking=ranking, seed=seed)
     new_ans, old_ans = answer_targets(case)
 
-    def read(s: E.Strategy):
-        edited = E.apply(ctx, s)
-        logits, text = E.decide(lm, edited, cot_tokens)
-        return edited, logits, text
-
-    base = {name: read(E.parse_strategy(name)) for name in ("stale", "oracle")}
-    stale_logits, oracle_logits = base["stale"][1], base["oracle"][1]
+    wanted = {"stale": E.parse_strategy("stale"), "oracle": E.parse_strategy("oracle")}
+    for s in strategies:
+        wanted.setdefault(s.label, s)
+    applied: dict[str, E.Edited | KvprobeError] = {}
+    reads: dict[str, tuple] = {}
+    for label, s in wanted.items():
+        try:
+            applied[label] = E.apply(ctx, s)
+        except KvprobeError as exc:
+            if s.name != "hoist":  # a user error (bad K, too long): stop, do not tabulate
+                raise
+            applied[label] = exc  # hoist cannot rewrite every prompt: tabulated as an error row
+            continue
+        if not cot_tokens:  # read at once and let the cache go (a K sweep holds dozens)
+            reads[label] = E.decide(lm, applied[label], 0)
+            applied[label] = dataclasses.replace(applied[label], cache=None)
+    if cot_tokens:  # reasoning runs batched over the strategies
+        ok = [label for label, e in applied.items() if not isinstance(e, KvprobeError)]
+        reads = dict(zip(ok, E.decide_many(lm, [applied[label] for label in ok], cot_tokens)))
+    stale_logits, oracle_logits = reads["stale"][0], reads["oracle"][0]
     m_stale = float(logit_diff(stale_logits, a.option_ids, new_ans, old_ans))
     m_oracle = float(logit_diff(oracle_logits, a.option_ids, new_ans, old_ans))
     pred_of = lambda lg: case.options[int(option_scores(lg, a.option_ids, case.options).argmax())]  # noqa: E731
@@ -40,13 +54,11 @@ def edit_case(lm, a: AlignedCase, strategies: Sequence[E.Strategy], cot_tokens: 
     valid = pred_of(stale_logits) == case.expected_old and pred_oracle == case.expected_new
     rows = []
     for s in strategies:
-        try:
-            edited, logits, text = base[s.name] if s.label in base else read(s)
-        except KvprobeError as exc:
-            if s.name != "hoist":  # a user error (bad K, too long): stop, do not tabulate
-                raise
-            rows.append({"strategy": s.label, "error": str(exc)})
+        edited = applied[s.label]
+        if isinstance(edited, KvprobeError):
+            rows.append({"strategy": s.label, "error": str(edited)})
             continue
+        logits, text = reads[s.label]
         m = float(logit_diff(logits, a.option_ids, new_ans, old_ans))
         pred = pred_of(logits)
         rows.append({

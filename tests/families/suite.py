@@ -182,6 +182,21 @@ class EditSuite:
                                      pad_token_id=0, eos_token_id=None)
         assert text == self.lm.tokenizer.decode(gen[0, len(a.ids_new):])
 
+    def test_batched_cot_equals_one_at_a_time(self):
+        from kvprobe.kv import edit as E
+
+        a = self.aligned()
+        ctx = E.make_context(self.lm, a)
+        specs = ["stale", "field_only", "oracle", "erratum", "field_erratum"]  # two cache lengths
+        edited = [E.apply(ctx, s) for s in specs]
+        lengths = [C.seq_len(e.cache) for e in edited]
+        batched = E.decide_many(self.lm, edited, cot_tokens=8)
+        assert [C.seq_len(e.cache) for e in edited] == lengths  # inputs untouched
+        for e, (logits, text) in zip(edited, batched):
+            want_logits, want_text = E.decide(self.lm, e, cot_tokens=8)
+            assert text == want_text
+            torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=0)
+
     def test_bad_inputs_are_refused(self):
         import pytest
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -315,6 +315,41 @@ def apply(ctx: EditContext, strategy: Strategy | str) -> Edited:
 def _eos_ids(lm) -> set[int]:
     gen = getattr(getattr(lm.model, "generation_config", None), "eos_token_id", None)
     return ({lm.tokenizer.eos_token_id} | set(gen if isinstance(gen, list) else [gen])) - {None}
+
+
+@torch.no_grad()
+def decide_many(lm, edited: Sequence[Edited], cot_tokens: int = 0) -> list[tuple[torch.Tensor, str]]:
+    """:func:`decide` for several repaired caches at once: the same results, but with
+    ``cot_tokens`` the greedy reasoning of caches of one length and tail runs as one batch, so
+    a decode step reads the weights once for all of them (decoding is bound by weight reads).
+    Every input cache is left as it was."""
+    if not cot_tokens:
+        return [decide(lm, e, 0) for e in edited]
+    groups: dict[tuple, list[int]] = {}
+    for i, e in enumerate(edited):
+        groups.setdefault((C.seq_len(e.cache), tuple(e.tail_ids)), []).append(i)
+    eos, cue = _eos_ids(lm), lm.tokenizer.encode(COT_CUE, add_special_tokens=False)
+    out: list[tuple[torch.Tensor, str] | None] = [None] * len(edited)
+    for (n, tail), idx in groups.items():
+        cache = C.concat([edited[i].cache for i in idx], dim="batch")  # a copy
+        logits = C.forward(lm.model, torch.tensor([list(tail)] * len(idx)), cache).logits[:, -1]
+        generated: list[list[int]] = [[] for _ in idx]
+        done = [False] * len(idx)
+        for _ in range(cot_tokens):
+            nxt = logits.argmax(-1).tolist()
+            for row, t in enumerate(nxt):
+                done[row] = done[row] or t in eos
+                if not done[row]:
+                    generated[row].append(t)
+            if all(done):
+                break
+            logits = C.forward(lm.model, torch.tensor(nxt)[:, None], cache).logits[:, -1]
+        for row, i in enumerate(idx):
+            length = n + len(tail) + len(generated[row])
+            mine = C.from_tensors([(k[row : row + 1, :, :length], v[row : row + 1, :, :length])
+                                   for k, v in C.to_tensors(cache)])
+            out[i] = (C.forward(lm.model, torch.tensor([cue]), mine).logits[0, -1], lm.tokenizer.decode(generated[row]))
+    return out
 
 
 @torch.no_grad()
