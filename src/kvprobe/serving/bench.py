@@ -283,6 +283,8 @@ class Bench:
                 for arm in self.cfg.arms:
                     key = f"{M.rate_label(rate)}-{arm}"
                     if self.store.done(key):
+                        for _ in range(self.cfg.n):  # finished before: count it on the progress bar
+                            self.advance()
                         continue
                     self.progress(f"rate {M.rate_label(rate)}/s, {arm}")
                     self.store.save(key, self.run_one(rate, k, arm, schedule))
