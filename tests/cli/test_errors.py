@@ -77,3 +77,10 @@ def test_checksum_mismatch(tmp_path, monkeypatch):
 def test_bad_strategy_and_run_options():
     one_line_error(kvprobe("edit", "--model", "tiny-llama", "--strategies", "selective:4:telepathy"), "bad strategy")
     one_line_error(kvprobe("run", "--model", "tiny-llama", "--probes", "astrology"), "unknown probe")
+
+
+def test_help_into_a_closed_pipe_gives_no_traceback():
+    # `kvprobe --help | head -1`: the reader closes the pipe early; that is not a crash
+    proc = subprocess.run(f"{sys.executable} -c 'from kvprobe.cli.app import main; main()' run --help | head -1",
+                          shell=True, capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in proc.stderr, proc.stderr

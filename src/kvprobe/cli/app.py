@@ -13,10 +13,11 @@ from rich.table import Table
 
 from kvprobe.errors import KvprobeError
 
-try:  # typer >= 0.20 vendors click
-    from typer._click import exceptions as _click_exceptions
+try:  # typer >= 0.20 vendors click, and keeps Exit and Abort in typer.exceptions
+    from typer._click.exceptions import ClickException
+    from typer.exceptions import Abort, Exit
 except ImportError:  # pragma: no cover
-    from click import exceptions as _click_exceptions
+    from click.exceptions import Abort, ClickException, Exit
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Probe, edit and compose a language model's KV cache.")
@@ -97,10 +98,10 @@ def main() -> None:
     except KeyboardInterrupt:
         err_console.print("interrupted; finished work is saved, run the same command again to resume")
         sys.exit(130)
-    except _click_exceptions.ClickException as exc:  # usage errors, in non-standalone mode
+    except ClickException as exc:  # usage errors, in non-standalone mode
         err_console.print(f"[bold red]error:[/bold red] {exc.format_message()}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
-    except _click_exceptions.Exit as exc:
+    except Exit as exc:
         sys.exit(exc.exit_code)
-    except _click_exceptions.Abort:
+    except Abort:
         sys.exit(1)
