@@ -42,7 +42,8 @@ def kv_hooks(lm, replace):
 @torch.no_grad()
 def naive_effects(lm, a, positions):
     """Per position: full forward of the old prompt with k/v of every position frozen to the old
-    run, except p, which takes the new run's (identical to a cache-space patch)."""
+    run, except p, which takes the new run's, and the decision token, which keeps its own
+    (identical to a cache-space patch read by the decision token)."""
     ids_old, ids_new = torch.tensor([a.ids_old]), torch.tensor([a.ids_new])
     store = {}
     for tag, ids in (("old", ids_old), ("new", ids_new)):
@@ -53,9 +54,10 @@ def naive_effects(lm, a, positions):
     out = []
     for p in positions:
         def patch(layer, which, o, p=p):
-            o = store[("old", layer, which)].clone()
-            o[:, p] = store[("new", layer, which)][:, p]
-            return o
+            out = store[("old", layer, which)].clone()
+            out[:, p] = store[("new", layer, which)][:, p]
+            out[:, -1] = o[:, -1]  # the decision token's own k/v come from its patched residual, as in a cache read
+            return out
 
         with kv_hooks(lm, patch):
             logits = lm.model(ids_old).logits[0, -1]
