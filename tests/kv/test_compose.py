@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 
+import numpy as np
+import pandas as pd
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -242,6 +244,53 @@ def test_validate_cli_writes_table_and_gates(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as exc:  # the console entry point exits 1
         main()
     assert exc.value.code == 1
+
+
+def test_run_compose_resumes_from_parts_and_stored_blocks(tmp_path, monkeypatch):
+    """A finished query is loaded, not recomputed; a missing one is redone from the stored blocks
+    and gives the same figures; a stored file holding another block is refused."""
+    from kvprobe.results import CaseStore
+
+    lm = tiny_model("tiny-llama")
+    kw = dict(n=3, seed=0, seams=[0, 2], block_tokens=(20, 30), n_blocks=(1, 2), store_dir=tmp_path / "blocks")
+    parts = CaseStore(tmp_path, "compose")
+    first = K.run_compose(lm, parts=parts, **kw)
+    assert len(list(parts.parts.glob("*.parquet"))) == 3
+
+    def boom(*a, **k):
+        raise AssertionError("recomputed")
+
+    with monkeypatch.context() as m:  # everything is done: nothing is prefilled again
+        m.setattr(K, "precompile", boom)
+        m.setattr(K, "oracle_logits", boom)
+        again = K.run_compose(lm, parts=parts, **kw)
+    pd.testing.assert_frame_equal(again, first)
+
+    victim = first.query_id.iloc[-1]
+    (parts.parts / f"{victim}.parquet").unlink()
+    with monkeypatch.context() as m:  # the blocks come from the store, only the lost query reruns
+        m.setattr(K, "precompile", boom)
+        redone = K.run_compose(lm, parts=parts, **kw)
+    cols = ["query_id", "seam", "rerotate", "agree", "answer", "oracle_answer"]
+    pd.testing.assert_frame_equal(redone[cols], first[cols])
+    assert np.allclose(redone.cosine, first.cosine, atol=1e-6)
+
+    files = sorted((tmp_path / "blocks").glob("*.safetensors"))
+    assert len(files) >= 2
+    files[1].write_bytes(files[0].read_bytes())  # another skill's block under this skill's name
+    with pytest.raises(KvprobeError, match="another block"):
+        K.run_compose(lm, parts=CaseStore(tmp_path / "fresh", "compose"), **kw)
+
+
+def test_validate_cli_refuses_a_folder_with_other_settings(tmp_path):
+    from kvprobe.cli.app import app
+
+    args = ["validate", "--model", "tiny-llama", "--seams", "0", "--seam", "0", "--block-tokens", "20,30",
+            "--blocks", "1,1", "--threshold", "0", "--out", str(tmp_path)]
+    assert CliRunner().invoke(app, [*args, "--n", "1"]).exit_code == 0
+    res = CliRunner().invoke(app, [*args, "--n", "2"])
+    assert isinstance(res.exception, KvprobeError) and "other settings" in str(res.exception)
+    assert CliRunner().invoke(app, [*args, "--n", "1"]).exit_code == 0  # same settings: resumes (all done)
 
 
 # -- a real model -----------------------------------------------------------------------------------

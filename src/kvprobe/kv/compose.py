@@ -428,13 +428,16 @@ def run_compose(lm, n: int = 50, seed: int = 0, seams: Sequence[int] = SEAMS,
                 block_tokens: tuple[int, int] = (200, 400), n_blocks: tuple[int, int] = (1, 4),
                 rerotate: Sequence[bool] = (True, False), form: str = "auto", store_dir=None,
                 model_name: str | None = None, on_query: Callable[[], None] | None = None,
-                on_precompile: Callable[[int, int], None] | None = None):
+                on_precompile: Callable[[int, int], None] | None = None, parts=None):
     """Compose the composition dataset's skills and compare with full recompute.
 
     One row per (query, seam, rerotate): decision agreement with the oracle (over the options),
     top-1 agreement (full vocabulary), logit cosine and KL(oracle || composed). Skills are
     precompiled once each behind the shared preamble; with ``store_dir`` they go through the
     store (saved, then loaded back and verified), as a deployment would use them.
+    With ``parts`` (a :class:`kvprobe.results.CaseStore`) each finished query is saved as it ends
+    and skipped on a rerun, and a skill already in ``store_dir`` is loaded, not recomputed, so an
+    interrupted run resumes where it stopped.
     Returns a pandas DataFrame with :data:`COLUMNS`.
     """
     import pandas as pd
@@ -449,23 +452,22 @@ def run_compose(lm, n: int = 50, seed: int = 0, seams: Sequence[int] = SEAMS,
     data = generate_compose(n, seed=seed, tokenizer=lm.tokenizer, block_tokens=block_tokens, n_blocks=n_blocks)
     segs = segments(data, lm.tokenizer, form)
     options = {opt: option_token_ids(lm.tokenizer, opt) for opt in data.options}
-    used = list(dict.fromkeys(sid for q in data.queries for sid in q.skills))
+    todo = [q for q in data.queries if parts is None or not parts.done(q.query_id)]
+    used = list(dict.fromkeys(sid for q in todo for sid in q.skills))
     blocks: dict[str, Block] = {}
     for i, sid in enumerate(used):
-        block = precompile(lm, segs.skills[sid], segs.preamble, name=sid)
-        if store_dir is not None:
-            from kvprobe.kv.store import load_block, save_block
-
-            path = save_block(block, lm, store_path(store_dir, sid))
-            block = load_block(path, lm)
-        blocks[sid] = block
+        blocks[sid] = _skill_block(lm, segs, sid, store_dir)
         if on_precompile:
             on_precompile(i + 1, len(used))
-    rows = []
-    for q in data.queries:
+    frames = [parts.load(q.query_id) for q in data.queries if parts is not None and parts.done(q.query_id)]
+    for _ in frames:
+        if on_query:
+            on_query()
+    for q in todo:
+        rows = []
         qs = segs.queries[q.query_id]
-        parts = [qs.lead, *(blocks[s] for s in q.skills), qs.query]
-        ids = segs.preamble + context_ids(parts)
+        pieces = [qs.lead, *(blocks[s] for s in q.skills), qs.query]
+        ids = segs.preamble + context_ids(pieces)
         t0 = time.perf_counter()
         oracle = oracle_logits(lm, ids)
         oracle_wall = time.perf_counter() - t0
@@ -490,9 +492,33 @@ def run_compose(lm, n: int = 50, seed: int = 0, seams: Sequence[int] = SEAMS,
                     "answer": answer, "oracle_answer": oracle_answer, "expected": q.expected, "margin": margin,
                     "oracle_margin": oracle_margin, "wall_s": wall, "oracle_wall_s": oracle_wall,
                 })
+        frame = pd.DataFrame(rows, columns=list(COLUMNS))
+        if parts is not None:
+            parts.save(q.query_id, frame)
+        frames.append(frame)
         if on_query:
             on_query()
-    return pd.DataFrame(rows, columns=list(COLUMNS))
+    order = {q.query_id: i for i, q in enumerate(data.queries)}
+    frames = sorted(frames, key=lambda f: order[f.query_id.iloc[0]] if len(f) else -1)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(COLUMNS))
+
+
+def _skill_block(lm, segs, sid: str, store_dir) -> Block:
+    """The skill's block: loaded from ``store_dir`` when a file is already there (verified against
+    this model and tokenizer), else precompiled, and with ``store_dir`` saved and loaded back."""
+    if store_dir is None:
+        return precompile(lm, segs.skills[sid], segs.preamble, name=sid)
+    from kvprobe.kv.store import load_block, save_block
+
+    path = store_path(store_dir, sid)
+    if path.exists():
+        block = load_block(path, lm)
+        if block.ids == [int(i) for i in segs.skills[sid]] and block.preamble == [int(i) for i in segs.preamble]:
+            return block
+        raise KvprobeError(f"{path} holds another block than skill {sid} of this dataset; "
+                           f"use another --out or remove {path.parent}")
+    save_block(precompile(lm, segs.skills[sid], segs.preamble, name=sid), lm, path)
+    return load_block(path, lm)
 
 
 def store_path(folder, name: str):
