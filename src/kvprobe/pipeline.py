@@ -10,6 +10,7 @@ recomputed)::
     linear       linear probes across cases (write depth, commit depth)
     ranking      learn the causal ranking rule on half of the valid cases
     edits        every strategy on the valid cases; selective(K) sweeps on the held-out half
+    compose      (with ``compose: N``) the composition gate on N queries, as ``kvprobe validate``
     topk         K* and the per-model YAML
 """
 
@@ -30,7 +31,7 @@ from kvprobe.datasets import ERRATUM, Skip, align, resolve_dataset
 from kvprobe.editing import DEFAULT_STRATEGIES, edit_case
 from kvprobe.errors import KvprobeError
 from kvprobe.kv.edit import RANKINGS, parse_strategy
-from kvprobe.results import (ATTENTION, CONCENTRATION, EDITS, KNOCKOUT, LINEAR, LOCALITY, MANIFEST, RANKING_RULE,
+from kvprobe.results import (ATTENTION, COMPOSE, CONCENTRATION, EDITS, KNOCKOUT, LINEAR, LOCALITY, MANIFEST, RANKING_RULE,
                              TOKENS, VALIDITY, CaseStore, atomic_write_json, atomic_write_parquet)
 
 DEFAULT_MODEL = "toy-qwen2"
@@ -57,6 +58,8 @@ class RunConfig(BaseModel):
     holdout: float = Field(0.5, gt=0, lt=1)
     valid_only: bool = True  # False: probe every aligned decision case (e.g. a model that does not decide)
     erratum_template: str = ERRATUM
+    compose: int = Field(0, ge=0)  # composition-gate queries (kvprobe validate's table); 0 = skip
+    compose_seams: list[int] = [0, 1, 4]
     dtype: str = "float32"
     device: str = "cpu"
 
@@ -74,6 +77,13 @@ class RunConfig(BaseModel):
         for s in v:
             parse_strategy(s)
         return v
+
+    @field_validator("compose_seams")
+    @classmethod
+    def _seams(cls, v: list[int]) -> list[int]:
+        if not v or min(v) < 0:
+            raise ValueError(f"compose_seams must be a non-empty list of integers >= 0, got {v}")
+        return sorted(set(v))
 
     @field_validator("rankings")
     @classmethod
@@ -98,6 +108,15 @@ class RunConfig(BaseModel):
         except ValidationError as exc:
             err = exc.errors()[0]
             raise KvprobeError(f"{path}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+
+
+def _settled(previous: dict) -> dict | None:
+    """A stored config with today's defaults filled in (so a field added since still matches);
+    None when it no longer validates."""
+    try:
+        return RunConfig(**previous).model_dump()
+    except (ValueError, TypeError):
+        return None
 
 
 def _versions() -> dict:
@@ -155,8 +174,7 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / "config.json"
     if config_path.exists():
-        previous = json.loads(config_path.read_text())
-        if previous != cfg.model_dump():
+        if _settled(json.loads(config_path.read_text())) != cfg.model_dump():
             raise KvprobeError(f"{out} holds a run with a different configuration; choose another --out or remove it")
     else:
         atomic_write_json(cfg.model_dump(), config_path)
@@ -271,6 +289,17 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
     edits = stages.run("edits", lambda: _per_case(CaseStore(out, "edits"), edit_items, edit_one, tick))
     atomic_write_parquet(edits, out / EDITS)
 
+    compose_summary = []
+    if cfg.compose:
+        from kvprobe.kv.compose import run_compose, summarize_compose
+
+        tick = progress("compose", cfg.compose)
+        composed = stages.run("compose", lambda: run_compose(
+            lm, n=cfg.compose, seed=cfg.seed, seams=cfg.compose_seams, form=cfg.form, store_dir=out / "blocks",
+            model_name=name, parts=CaseStore(out, "compose"), on_query=tick))
+        atomic_write_parquet(composed, out / COMPOSE)
+        compose_summary = summarize_compose(composed).to_dict("records")
+
     manifest = {
         "kvprobe_run": 1, "config": cfg.model_dump(), "model": lm.fingerprint(), "model_info": lm.info.as_dict(),
         "n_layers": lm.adapter.n_layers, "n_heads": lm.adapter.n_heads, "n_kv_heads": lm.adapter.n_kv_heads,
@@ -282,6 +311,7 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
         "skipped": [{"case_id": s.case_id, "reason": s.reason} for s in skipped],
         "invalid_reasons": _invalid_reasons(validity),
         "validity": summarize(validity) if len(validity) else {},
+        "compose": compose_summary,
         "tables": sorted(p.name for p in out.glob("*.parquet")),
         "wall_s": {**stages.wall, "total": round(time.perf_counter() - t0, 2)},
     }

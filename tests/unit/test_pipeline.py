@@ -1,0 +1,85 @@
+"""``kvprobe run`` as a pipeline: resuming an interrupted run, settings checks, the composition stage."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from kvprobe import pipeline as P
+from kvprobe.errors import KvprobeError
+from kvprobe.results import COMPOSE, EDITS, MANIFEST
+from tests.conftest import tiny_model
+
+SMALL = dict(model="tiny-llama", n=4, valid_only=False, probes=["locality"], ks=[1, 2],
+             strategies=["stale", "field_only", "oracle"], rankings=["causal", "random"])
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_model("tiny-llama")
+
+
+def test_interrupted_run_resumes_without_redoing_finished_cases(lm, tmp_path, monkeypatch):
+    cfg = P.RunConfig(**SMALL)
+    first = P.run(cfg, tmp_path, lm=lm)
+    edits = pd.read_parquet(tmp_path / EDITS)
+    parts = sorted((tmp_path / "parts" / "edits").glob("*.parquet"))
+    assert len(parts) == edits.case_id.nunique() >= 2
+
+    # a crash after the first edit part: the manifest and the later parts never got written
+    (tmp_path / MANIFEST).unlink()
+    for p in parts[1:]:
+        p.unlink()
+    redone = []
+    real = P.edit_case
+
+    def counting(lm_, case, *a, **k):
+        redone.append(case.case.case_id)
+        return real(lm_, case, *a, **k)
+
+    monkeypatch.setattr(P, "edit_case", counting)
+    second = P.run(cfg, tmp_path, lm=lm)
+    assert sorted(redone) == sorted(p.name.split(".")[0] for p in parts[1:])
+    assert second["counts"] == first["counts"]
+    again = pd.read_parquet(tmp_path / EDITS)
+    cols = ["case_id", "strategy", "cot", "pred", "m"]
+    pd.testing.assert_frame_equal(again[cols].sort_values(cols, ignore_index=True),
+                                  edits[cols].sort_values(cols, ignore_index=True))
+
+
+def test_a_folder_with_other_settings_is_refused_but_an_older_config_resumes(lm, tmp_path):
+    cfg = P.RunConfig(**SMALL)
+    P.run(cfg, tmp_path, lm=lm)
+    with pytest.raises(KvprobeError, match="different configuration"):
+        P.run(P.RunConfig(**{**SMALL, "n": 5}), tmp_path, lm=lm)
+    # a config.json written before a field existed: the field's default fills it in
+    stored = json.loads((tmp_path / "config.json").read_text())
+    for key in ("compose", "compose_seams"):
+        stored.pop(key)
+    (tmp_path / "config.json").write_text(json.dumps(stored))
+    P.run(cfg, tmp_path, lm=lm)
+
+
+def test_run_with_compose_writes_the_gate_table_into_the_folder(lm, tmp_path):
+    cfg = P.RunConfig(**{**SMALL, "compose": 2, "compose_seams": [4, 0]})
+    assert cfg.compose_seams == [0, 4]
+    manifest = P.run(cfg, tmp_path, lm=lm)
+    df = pd.read_parquet(tmp_path / COMPOSE)
+    assert df.query_id.nunique() == 2 and sorted(df.seam.unique()) == [0, 4] and set(df.rerotate) == {True, False}
+    assert {(r["rerotate"], r["seam"]) for r in manifest["compose"]} == {(a, s) for a in (True, False) for s in (0, 4)}
+    assert len(list((tmp_path / "blocks").glob("*.safetensors"))) >= 1
+    assert "compose" in manifest["wall_s"]
+
+    from kvprobe.reports.render import render_report
+
+    html = render_report([tmp_path], tmp_path / "report.html").read_text()
+    assert "Composition" in html
+
+
+def test_bad_compose_settings_are_refused():
+    with pytest.raises(ValueError, match="compose_seams"):
+        P.RunConfig(compose_seams=[])
+    with pytest.raises(ValueError):
+        P.RunConfig(compose=-1)
