@@ -200,3 +200,23 @@ def test_screenshot(opened, tmp_path):
     path.write_bytes(png)
     SHOTS.mkdir(exist_ok=True)
     shutil.copy(path, SHOTS / "report-notes.png")
+
+
+def test_wide_tables_stay_in_their_column(browser, variant):
+    """With many models side by side a table can be wider than its column: it must scroll inside
+    the column, not spill over the next model's figures."""
+    folders = [variant(f"m{i}") for i in range(6)]
+    out = render_report(folders, folders[0].parent / "wide.html")
+    cdp = browser
+    cdp.send("Page.enable")
+    cdp.send("Emulation.setDeviceMetricsOverride", width=1400, height=1800, deviceScaleFactor=1, mobile=False)
+    cdp.events.clear()  # wait for this page's load, not the earlier report's
+    cdp.send("Page.navigate", url=out.as_uri())
+    cdp.wait_for("Page.loadEventFired")
+    assert cdp.js("location.href") == out.as_uri()
+    cols = cdp.js("[...document.querySelectorAll('.col')].map(c => [c.closest('section').id, c.scrollWidth,"
+                  " c.clientWidth, getComputedStyle(c).overflowX])")
+    assert len(cols) >= 6 * len(SECTIONS) - 6
+    wide = [c for c in cols if c[1] > c[2] + 1]
+    assert wide, "no table is wider than its column at this size, so the check would not mean anything"
+    assert all(c[3] in ("auto", "scroll", "hidden") for c in wide), [c for c in wide if c[3] == "visible"]
