@@ -31,8 +31,8 @@ from kvprobe.datasets import ERRATUM, Skip, align, resolve_dataset
 from kvprobe.editing import DEFAULT_STRATEGIES, edit_case
 from kvprobe.errors import KvprobeError
 from kvprobe.kv.edit import RANKINGS, parse_strategy
-from kvprobe.results import (ATTENTION, COMPOSE, CONCENTRATION, EDITS, KNOCKOUT, LINEAR, LOCALITY, MANIFEST, RANKING_RULE,
-                             TOKENS, VALIDITY, CaseStore, atomic_write_json, atomic_write_parquet)
+from kvprobe.results import (ATTENTION, COMPOSE, CONCENTRATION, EDITS, KNOCKOUT, LINEAR, LOCALITY, MANIFEST,
+                             RANKING_RULE, TOKENS, VALIDITY, CaseStore, atomic_write_json, atomic_write_parquet)
 
 DEFAULT_MODEL = "toy-qwen2"
 ALL_PROBES = ("locality", "attention", "knockout", "linear")

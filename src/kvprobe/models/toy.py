@@ -135,9 +135,10 @@ class ToyTrain:
 
 # Where a family learns better with other settings: all-sliding mistral and soft-capped gemma2
 # are unsteady at lr 3e-3 (mistral's loss jumps early; both end far above the others).
-# gemma2 (eager attention with soft-capping, four norms a layer) is the slowest step: on one thread
-# it needed 178 s for 800 steps on a quiet 2-core machine, at the 3-minute budget; two threads
-# take 0.148 s a step against 0.192 s (llama: 0.130 against 0.155, so the others stay on one).
+# The gemmas (eager attention, four norms a layer, soft-capping in gemma2) have the slowest steps:
+# on one thread gemma2 needed 178 s for 800 steps on a quiet 2-core machine and gemma3 154 s, near
+# the 3-minute budget; on two they take 112 and 118 s (gemma2 0.148 s a step against 0.192 s;
+# llama only 0.130 against 0.155, so the others stay on one thread).
 FAMILY_TRAIN: dict[str, dict[str, Any]] = {"mistral": {"lr": 2e-3}, "gemma2": {"lr": 2e-3, "threads": 2},
                                           "gemma3": {"threads": 2}}
 
