@@ -17,7 +17,6 @@ recomputed)::
 from __future__ import annotations
 
 import hashlib
-import json
 import platform
 import time
 from collections.abc import Callable
@@ -32,7 +31,8 @@ from kvprobe.editing import DEFAULT_STRATEGIES, edit_case
 from kvprobe.errors import KvprobeError
 from kvprobe.kv.edit import RANKINGS, parse_strategy
 from kvprobe.results import (ATTENTION, COMPOSE, CONCENTRATION, EDITS, KNOCKOUT, LINEAR, LOCALITY, MANIFEST,
-                             RANKING_RULE, TOKENS, VALIDITY, CaseStore, atomic_write_json, atomic_write_parquet)
+                             RANKING_RULE, TOKENS, VALIDITY, CaseStore, atomic_write_json, atomic_write_parquet,
+                             claim_folder)
 
 DEFAULT_MODEL = "toy-qwen2"
 ALL_PROBES = ("locality", "attention", "knockout", "linear")
@@ -172,12 +172,7 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config_path = out / "config.json"
-    if config_path.exists():
-        if _settled(json.loads(config_path.read_text())) != cfg.model_dump():
-            raise KvprobeError(f"{out} holds a run with a different configuration; choose another --out or remove it")
-    else:
-        atomic_write_json(cfg.model_dump(), config_path)
+    claim_folder(out, "config.json", cfg.model_dump(), settle=_settled)
     progress = progress or (lambda name, total: (lambda: None))
     stages = Stages(progress)
     t0 = time.perf_counter()

@@ -54,6 +54,20 @@ def atomic_write_json(data: dict, path: Path | str) -> Path:
     return _atomic(Path(path), lambda tmp: tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str)))
 
 
+def claim_folder(folder: Path | str, name: str, config: dict, settle=lambda stored: stored,
+                 held: str = "run with a different configuration") -> None:
+    """Record ``config`` as ``<folder>/<name>``, or, when a run already left one there, refuse the
+    folder unless ``settle(stored) == config`` (so a rerun resumes only what it would have done)."""
+    from kvprobe.errors import KvprobeError
+
+    path = Path(folder) / name
+    if path.exists():
+        if settle(json.loads(path.read_text())) != config:
+            raise KvprobeError(f"{folder} holds a {held}; choose another --out or remove it")
+    else:
+        atomic_write_json(config, path)
+
+
 class CaseStore:
     """Per-case parts of one table, so an interrupted run resumes without redoing finished cases.
 

@@ -33,21 +33,6 @@ def _ints(value: str, what: str, count: int | None = None) -> list[int]:
     return out
 
 
-def _claim(out: Path, config: dict) -> None:
-    """Record ``config`` in ``out``; refuse a folder that holds a run with other settings."""
-    import json
-
-    from kvprobe.results import atomic_write_json
-
-    path = out / "validate_config.json"
-    if path.exists():
-        if json.loads(path.read_text()) != config:
-            raise KvprobeError(f"{out} holds a validate run with other settings; choose another --out or remove it")
-    else:
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(config, path)
-
-
 def validate(model: str = typer.Option(..., help="model spec, see `kvprobe models`"),
              n: int = typer.Option(50, min=1, help="decision queries"), seed: int = 0,
              seams: str = typer.Option("0,1,2,4,8,16,32", help="comma-separated seam-repair widths s"),
@@ -65,14 +50,15 @@ def validate(model: str = typer.Option(..., help="model spec, see `kvprobe model
 
     from kvprobe.kv.compose import run_compose, summarize_compose
     from kvprobe.models import load_model
-    from kvprobe.results import COMPOSE, CaseStore, atomic_write_json, atomic_write_parquet
+    from kvprobe.results import COMPOSE, CaseStore, atomic_write_json, atomic_write_parquet, claim_folder
 
     seam_list = sorted(set(_ints(seams, "--seams")) | {seam})
     bt, nb = _ints(block_tokens, "--block-tokens", 2), _ints(blocks, "--blocks", 2)
     # what the per-query parts depend on; a rerun into the same --out resumes only if it matches
     config = {"model": model, "n": n, "seed": seed, "seams": seam_list, "block_tokens": bt, "n_blocks": nb,
               "form": form, "attn": attn, "store": store}
-    _claim(out, config)
+    out.mkdir(parents=True, exist_ok=True)
+    claim_folder(out, "validate_config.json", config, held="validate run with other settings")
     with err_console.status(f"loading {model}") as status:
         lm = load_model(model, attn=attn, progress=lambda msg: status.update(f"{model}: {msg}"))
     start = time.perf_counter()

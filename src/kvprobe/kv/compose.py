@@ -452,14 +452,15 @@ def run_compose(lm, n: int = 50, seed: int = 0, seams: Sequence[int] = SEAMS,
     data = generate_compose(n, seed=seed, tokenizer=lm.tokenizer, block_tokens=block_tokens, n_blocks=n_blocks)
     segs = segments(data, lm.tokenizer, form)
     options = {opt: option_token_ids(lm.tokenizer, opt) for opt in data.options}
-    todo = [q for q in data.queries if parts is None or not parts.done(q.query_id)]
+    finished = {q.query_id for q in data.queries if parts is not None and parts.done(q.query_id)}
+    todo = [q for q in data.queries if q.query_id not in finished]
     used = list(dict.fromkeys(sid for q in todo for sid in q.skills))
     blocks: dict[str, Block] = {}
     for i, sid in enumerate(used):
         blocks[sid] = _skill_block(lm, segs, sid, store_dir)
         if on_precompile:
             on_precompile(i + 1, len(used))
-    frames = [parts.load(q.query_id) for q in data.queries if parts is not None and parts.done(q.query_id)]
+    frames = [parts.load(q.query_id) for q in data.queries if q.query_id in finished]
     for _ in frames:
         if on_query:
             on_query()
