@@ -197,6 +197,28 @@ class EditSuite:
             assert text == want_text
             torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=0)
 
+    def test_batched_cot_row_that_ends_early_leaves_the_others_exact(self):
+        from kvprobe.kv import edit as E
+
+        a = self.aligned()
+        ctx = E.make_context(self.lm, a)
+        edited = [E.apply(ctx, s) for s in ["stale", "erratum", "hoist", "oracle"]]
+        cache = C.copy(edited[1].cache)  # erratum's second greedy token becomes an EOS
+        first = int(C.forward(self.lm.model, torch.tensor([edited[1].tail_ids]), cache).logits[0, -1].argmax())
+        stop = int(C.forward(self.lm.model, torch.tensor([[first]]), cache).logits[0, -1].argmax())
+        _, full = E.decide(self.lm, edited[1], cot_tokens=8)
+        eos_ids = E._eos_ids
+        E._eos_ids = lambda lm: eos_ids(lm) | {stop}
+        try:
+            batched = E.decide_many(self.lm, edited, cot_tokens=8)
+            want = [E.decide(self.lm, e, cot_tokens=8) for e in edited]
+        finally:
+            E._eos_ids = eos_ids
+        assert want[1][1] != full  # erratum's row did end early
+        for (logits, text), (want_logits, want_text) in zip(batched, want):
+            assert text == want_text
+            torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=0)
+
     def test_bad_inputs_are_refused(self):
         import pytest
 

@@ -104,6 +104,32 @@ def expand_batch(cache: DynamicCache, batch: int) -> DynamicCache:
                          for k, v in to_tensors(cache)])
 
 
+def take_rows(cache: DynamicCache, rows: list[int]) -> DynamicCache:
+    """A new cache holding the given batch rows, in the given order (copies)."""
+    idx = torch.as_tensor(rows, dtype=torch.long)
+    return from_tensors([(k[idx], v[idx]) for k, v in to_tensors(cache)])
+
+
+HIDDEN_POSITION = 2**30  # a key position no query reaches: the entry is masked out
+
+
+def left_pad(caches: list[DynamicCache]) -> tuple[DynamicCache, torch.Tensor]:
+    """Batch-1 caches of different lengths as one batch, padded on the left with zeros.
+
+    Returns (cache, key_positions (B, N)): a padding entry gets :data:`HIDDEN_POSITION`, so
+    :func:`masked_forward` with these key positions never lets a query see it; a real entry keeps
+    its index in its own cache as its position.
+    """
+    lengths = [seq_len(c) for c in caches]
+    n = max(lengths)
+    layers = zip(*(to_tensors(c) for c in caches))
+    pad = lambda t, length: torch.nn.functional.pad(t, (0, 0, n - length, 0))  # noqa: E731
+    cache = from_tensors([(torch.cat([pad(k, m) for (k, _), m in zip(kv, lengths)]),
+                           torch.cat([pad(v, m) for (_, v), m in zip(kv, lengths)])) for kv in layers])
+    key_positions = torch.stack([torch.cat([torch.full((n - m,), HIDDEN_POSITION), torch.arange(m)]) for m in lengths])
+    return cache, key_positions
+
+
 @torch.no_grad()
 def forward(model, input_ids: torch.Tensor, cache: DynamicCache | None = None,
             positions: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,

@@ -320,35 +320,52 @@ def _eos_ids(lm) -> set[int]:
 @torch.no_grad()
 def decide_many(lm, edited: Sequence[Edited], cot_tokens: int = 0) -> list[tuple[torch.Tensor, str]]:
     """:func:`decide` for several repaired caches at once: the same results, but with
-    ``cot_tokens`` the greedy reasoning of caches of one length and tail runs as one batch, so
-    a decode step reads the weights once for all of them (decoding is bound by weight reads).
-    Every input cache is left as it was."""
+    ``cot_tokens`` the greedy reasoning of every cache runs as one batch, so a decode step reads
+    the weights once for all of them (decoding on a CPU is bound by weight reads).
+
+    Caches of one length and tail feed their tail together; then all rows are padded on the left
+    to one length and decode together, each at its own RoPE positions, with the padding masked
+    (:func:`kvprobe.kv.cache.left_pad`). A row that ends (EOS or the budget) reads its answer cue
+    at once and leaves the batch. Every input cache is left as it was.
+    """
     if not cot_tokens:
         return [decide(lm, e, 0) for e in edited]
     groups: dict[tuple, list[int]] = {}
     for i, e in enumerate(edited):
         groups.setdefault((C.seq_len(e.cache), tuple(e.tail_ids)), []).append(i)
-    eos, cue = _eos_ids(lm), lm.tokenizer.encode(COT_CUE, add_special_tokens=False)
-    out: list[tuple[torch.Tensor, str] | None] = [None] * len(edited)
-    for (n, tail), idx in groups.items():
+    rows: list[DynamicCache | None] = [None] * len(edited)
+    first: list[torch.Tensor | None] = [None] * len(edited)
+    for (_, tail), idx in groups.items():
         cache = C.concat([edited[i].cache for i in idx], dim="batch")  # a copy
         logits = C.forward(lm.model, torch.tensor([list(tail)] * len(idx)), cache).logits[:, -1]
-        generated: list[list[int]] = [[] for _ in idx]
-        done = [False] * len(idx)
-        for _ in range(cot_tokens):
-            nxt = logits.argmax(-1).tolist()
-            for row, t in enumerate(nxt):
-                done[row] = done[row] or t in eos
-                if not done[row]:
-                    generated[row].append(t)
-            if all(done):
+        for r, i in enumerate(idx):
+            rows[i], first[i] = C.take_rows(cache, [r]), logits[r]
+
+    eos, cue = _eos_ids(lm), torch.tensor(lm.tokenizer.encode(COT_CUE, add_special_tokens=False))
+    cache, key_pos = C.left_pad(rows)
+    pos = torch.tensor([C.seq_len(c) for c in rows])  # the next token's position, per row
+    active = list(range(len(edited)))  # batch row -> index into ``edited``
+    generated: list[list[int]] = [[] for _ in edited]
+    out: list[tuple[torch.Tensor, str] | None] = [None] * len(edited)
+    logits = torch.stack(first)
+    for step in range(cot_tokens + 1):
+        nxt = logits.argmax(-1).tolist()
+        ended = [r for r, t in enumerate(nxt) if step == cot_tokens or t in eos]
+        for r, i in enumerate(active):
+            if r not in ended:
+                generated[i].append(nxt[r])
+        if ended:  # read the answer after the cue, on a copy of those rows
+            q = pos[ended, None] + torch.arange(len(cue))
+            read = C.masked_forward(lm, cue.expand(len(ended), -1), C.take_rows(cache, ended), q, key_pos[ended])
+            for j, r in enumerate(ended):
+                out[active[r]] = (read.logits[j, -1], lm.tokenizer.decode(generated[active[r]]))
+            keep = [r for r in range(len(active)) if r not in ended]
+            if not keep:
                 break
-            logits = C.forward(lm.model, torch.tensor(nxt)[:, None], cache).logits[:, -1]
-        for row, i in enumerate(idx):
-            length = n + len(tail) + len(generated[row])
-            mine = C.from_tensors([(k[row : row + 1, :, :length], v[row : row + 1, :, :length])
-                                   for k, v in C.to_tensors(cache)])
-            out[i] = (C.forward(lm.model, torch.tensor([cue]), mine).logits[0, -1], lm.tokenizer.decode(generated[row]))
+            cache, key_pos, pos = C.take_rows(cache, keep), key_pos[keep], pos[keep]
+            active, nxt = [active[r] for r in keep], [nxt[r] for r in keep]
+        logits = C.masked_forward(lm, torch.tensor(nxt)[:, None], cache, pos[:, None], key_pos).logits[:, -1]
+        key_pos, pos = torch.cat([key_pos, pos[:, None]], 1), pos + 1
     return out
 
 
