@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import platform
+import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -57,6 +58,7 @@ class RunConfig(BaseModel):
     min_flip: float = Field(1.0, ge=0)
     holdout: float = Field(0.5, gt=0, lt=1)
     valid_only: bool = True  # False: probe every aligned decision case (e.g. a model that does not decide)
+    max_controls: int | None = Field(None, ge=0)  # valid controls carried into the edits (a seeded sample); None = all
     erratum_template: str = ERRATUM
     compose: int = Field(0, ge=0)  # composition-gate queries (kvprobe validate's table); 0 = skip
     compose_seams: list[int] = [0, 1, 4]
@@ -197,6 +199,9 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
     keep = validity.valid if cfg.valid_only else validity.valid | ~validity.control
     valid_ids = sorted(validity[keep & ~validity.control].case_id) if len(validity) else []
     control_ids = sorted(validity[validity.valid & validity.control].case_id) if len(validity) else []
+    n_valid_controls = len(control_ids)
+    if cfg.max_controls is not None and len(control_ids) > cfg.max_controls:
+        control_ids = sorted(random.Random(cfg.seed).sample(control_ids, cfg.max_controls))
     if not valid_ids:
         raise KvprobeError(f"{name} answered no decision case correctly under both values "
                            f"({len(aligned)} aligned cases); the probes need a model that decides by the field "
@@ -301,7 +306,7 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
         "versions": _versions(), "seed": cfg.seed,
         "counts": {"cases": len(cases), "aligned": len(aligned), "probed_decision": len(valid_ids),
                    "valid_decision": int((validity.valid & ~validity.control).sum()),
-                   "valid_control": len(control_ids), "ranking_cases": len(rank_ids), "held_out_cases": len(held_ids),
+                   "valid_control": n_valid_controls, "edited_controls": len(control_ids), "ranking_cases": len(rank_ids), "held_out_cases": len(held_ids),
                    "skipped": len(skipped), "invalid": int((~validity.valid).sum())},
         "skipped": [{"case_id": s.case_id, "reason": s.reason} for s in skipped],
         "invalid_reasons": _invalid_reasons(validity),

@@ -83,3 +83,20 @@ def test_bad_compose_settings_are_refused():
         P.RunConfig(compose_seams=[])
     with pytest.raises(ValueError):
         P.RunConfig(compose=-1)
+
+
+def test_max_controls_carries_a_seeded_sample_of_the_valid_controls_into_the_edits(lm, tmp_path):
+    base = dict(SMALL, n=20, probes=[], strategies=["stale", "oracle"], rankings=["random"])
+    manifest = P.run(P.RunConfig(**base), tmp_path / "all", lm=lm)
+    validity = pd.read_parquet(tmp_path / "all" / "validity.parquet")
+    valid_controls = set(validity[validity.control & validity.valid].case_id)
+    assert manifest["counts"]["valid_control"] == manifest["counts"]["edited_controls"] == len(valid_controls) >= 2
+
+    capped = P.run(P.RunConfig(**base, max_controls=1), tmp_path / "one", lm=lm)
+    assert capped["counts"]["valid_control"] == len(valid_controls) and capped["counts"]["edited_controls"] == 1
+    edits = pd.read_parquet(tmp_path / "one" / EDITS)
+    edited = set(edits[edits.control].case_id)
+    assert len(edited) == 1 and edited <= valid_controls
+    assert set(edits[~edits.control].case_id) == set(validity[~validity.control].case_id)  # decisions untouched
+    with pytest.raises(ValueError):
+        P.RunConfig(max_controls=-1)
