@@ -24,6 +24,7 @@ def edit_case(lm, a: AlignedCase, strategies: Sequence[E.Strategy], cot_tokens: 
               min_flip: float = DEFAULT_MIN_FLIP, ranking=None, seed: int = 0, model_name: str = "") -> pd.DataFrame:
     """Every strategy on one aligned case, against that case's stale and oracle reads."""
     case = a.case
+    strategies = list({s.label: s for s in strategies}.values())  # one row per strategy, even if listed twice
     ctx = E.make_context(lm, a, ranking=ranking, seed=seed)
     new_ans, old_ans = answer_targets(case)
 

@@ -100,3 +100,12 @@ def test_max_controls_carries_a_seeded_sample_of_the_valid_controls_into_the_edi
     assert set(edits[~edits.control].case_id) == set(validity[~validity.control].case_id)  # decisions untouched
     with pytest.raises(ValueError):
         P.RunConfig(max_controls=-1)
+
+
+def test_a_strategy_both_in_the_list_and_in_the_k_sweep_gets_one_row_per_case(lm, tmp_path):
+    cfg = P.RunConfig(**{**SMALL, "strategies": ["stale", "selective:1:random", "oracle"]})
+    P.run(cfg, tmp_path, lm=lm)
+    edits = pd.read_parquet(tmp_path / EDITS)
+    held = set(edits[edits.strategy == "selective:2:random"].case_id)
+    assert held and not edits.duplicated(["case_id", "strategy", "cot"]).any()
+    assert (edits.strategy == "selective:1:random").sum() == edits.case_id.nunique()
