@@ -32,10 +32,10 @@ def decision_logits_pair(model, a: AlignedCase) -> torch.Tensor:
     ids = torch.tensor([a.ids_old, a.ids_new])
     cache = None
     if start > 0:
-        _, cache = C.prefill(model, ids[:1, :start])
+        _, cache = C.prefill(model, ids[:1, :start], logits_to_keep=1)
         cache = C.expand_batch(cache, 2)
     out = C.forward(model, ids[:, start:], cache if cache is not None else C.new_cache(),
-                    positions=torch.arange(start, ids.shape[1]))
+                    positions=torch.arange(start, ids.shape[1]), logits_to_keep=1)
     return out.logits[:, -1]
 
 

@@ -160,15 +160,18 @@ def output_cache(out) -> DynamicCache:
 
 
 @torch.no_grad()
-def prefill(model, input_ids: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, DynamicCache]:
+def prefill(model, input_ids: torch.Tensor, start: int = 0, logits_to_keep: int = 0
+            ) -> tuple[torch.Tensor, DynamicCache]:
     """Prefill ``input_ids`` (T,) or (1, T) into a fresh full-length cache at positions start..
 
-    Returns (logits (1, T, V), cache).
+    Returns (logits (1, T, V), cache); with ``logits_to_keep=n`` only the last n positions' logits
+    are computed (1 when the cache is all that is wanted: the vocabulary projection is a large
+    share of a small model's prefill).
     """
     ids = input_ids if input_ids.ndim == 2 else input_ids[None]
     positions = torch.arange(start, start + ids.shape[1], device=ids.device)
     cache = new_cache()
-    out = forward(model, ids, cache, positions)
+    out = forward(model, ids, cache, positions, logits_to_keep=logits_to_keep)
     return out.logits, cache
 
 

@@ -130,7 +130,7 @@ def check_length(lm, n_tokens: int) -> None:
 def make_context(lm, a: AlignedCase, ranking=None, seed: int = 0) -> EditContext:
     """Prefill the old prompt (everything before the decision token) once for all strategies."""
     check_length(lm, len(a.ids_old))
-    _, cache = C.prefill(lm.model, torch.tensor(a.ids_old[: a.decision_pos]))
+    _, cache = C.prefill(lm.model, torch.tensor(a.ids_old[: a.decision_pos]), logits_to_keep=1)
     return EditContext(lm, a, cache, ranking, seed)
 
 
@@ -150,7 +150,8 @@ def recompute_positions(lm, cache: DynamicCache, ids: list[int], positions: list
     assert int(sel.max()) < n, "positions must lie inside the cache"
     visible = torch.ones(1, len(sel), n, dtype=torch.bool)
     visible[:, :, sel] = False  # the recomputed tokens stand in for their stale entries
-    C.masked_forward(lm, torch.tensor([ids[p] for p in sel.tolist()])[None], work, sel[None], visible=visible)
+    C.masked_forward(lm, torch.tensor([ids[p] for p in sel.tolist()])[None], work, sel[None], visible=visible,
+                     logits_to_keep=1)
     for layer in range(C.n_layers(work)):
         k, v = C.get_kv(work, layer)  # (1, H_kv, n + S, D)
         k[:, :, sel], v[:, :, sel] = k[:, :, n:], v[:, :, n:]
@@ -199,7 +200,7 @@ def _stale(ctx: EditContext, s: Strategy) -> Edited:
 
 
 def _oracle(ctx: EditContext, s: Strategy) -> Edited:
-    _, cache = C.prefill(ctx.lm.model, torch.tensor(ctx.a.ids_new[: ctx.D]))
+    _, cache = C.prefill(ctx.lm.model, torch.tensor(ctx.a.ids_new[: ctx.D]), logits_to_keep=1)
     return Edited(cache, [ctx.a.ids_new[ctx.D]], ctx.D, ctx.D + 1)
 
 
@@ -290,7 +291,7 @@ def _hoist(ctx: EditContext, s: Strategy) -> Edited:
         raise KvprobeError(f"hoist: the rewritten prompt of {ctx.a.case.case_id} does not align: {hoisted.reason}")
     f0, D = hoisted.field[0], hoisted.decision_pos
     start = time.perf_counter()
-    _, cache = C.prefill(ctx.lm.model, torch.tensor(hoisted.ids_old[:f0]))  # the deployment's cached prefix
+    _, cache = C.prefill(ctx.lm.model, torch.tensor(hoisted.ids_old[:f0]), logits_to_keep=1)  # the deployment's cached prefix
     return Edited(cache, hoisted.ids_new[f0 : D + 1], D - f0, D + 1, rewritten_prompt=True,
                   setup_s=time.perf_counter() - start)
 
@@ -337,7 +338,7 @@ def decide_many(lm, edited: Sequence[Edited], cot_tokens: int = 0) -> list[tuple
     first: list[torch.Tensor | None] = [None] * len(edited)
     for (_, tail), idx in groups.items():
         cache = C.concat([edited[i].cache for i in idx], dim="batch")  # a copy
-        logits = C.forward(lm.model, torch.tensor([list(tail)] * len(idx)), cache).logits[:, -1]
+        logits = C.forward(lm.model, torch.tensor([list(tail)] * len(idx)), cache, logits_to_keep=1).logits[:, -1]
         for r, i in enumerate(idx):
             rows[i], first[i] = C.take_rows(cache, [r]), logits[r]
 
@@ -356,7 +357,8 @@ def decide_many(lm, edited: Sequence[Edited], cot_tokens: int = 0) -> list[tuple
                 generated[i].append(nxt[r])
         if ended:  # read the answer after the cue, on a copy of those rows
             q = pos[ended, None] + torch.arange(len(cue))
-            read = C.masked_forward(lm, cue.expand(len(ended), -1), C.take_rows(cache, ended), q, key_pos[ended])
+            read = C.masked_forward(lm, cue.expand(len(ended), -1), C.take_rows(cache, ended), q, key_pos[ended],
+                                    logits_to_keep=1)
             for j, r in enumerate(ended):
                 out[active[r]] = (read.logits[j, -1], lm.tokenizer.decode(generated[active[r]]))
             keep = [r for r in range(len(active)) if r not in ended]
@@ -378,7 +380,7 @@ def decide(lm, edited: Edited, cot_tokens: int = 0) -> tuple[torch.Tensor, str]:
     """
     cache, n = edited.cache, C.seq_len(edited.cache)
     try:
-        out = C.forward(lm.model, torch.tensor([edited.tail_ids]), cache)
+        out = C.forward(lm.model, torch.tensor([edited.tail_ids]), cache, logits_to_keep=1)
         logits = out.logits[0, -1]
         if not cot_tokens:
             return logits, ""
@@ -391,7 +393,7 @@ def decide(lm, edited: Edited, cot_tokens: int = 0) -> tuple[torch.Tensor, str]:
             generated.append(nxt)
             logits = C.forward(lm.model, torch.tensor([[nxt]]), cache).logits[0, -1]
         cue = lm.tokenizer.encode(COT_CUE, add_special_tokens=False)
-        logits = C.forward(lm.model, torch.tensor([cue]), cache).logits[0, -1]
+        logits = C.forward(lm.model, torch.tensor([cue]), cache, logits_to_keep=1).logits[0, -1]
         return logits, lm.tokenizer.decode(generated)
     finally:
         C.truncate_(cache, n)

@@ -32,7 +32,7 @@ def decision_attention(lm, a: AlignedCase) -> torch.Tensor:
     """The decision token's attention over the old prompt, (n_layers, H, D + 1)."""
     D = a.decision_pos
     ids = torch.tensor(a.ids_old, device=lm.device)
-    _, cache = C.prefill(lm.model, ids[:D])
+    _, cache = C.prefill(lm.model, ids[:D], logits_to_keep=1)
     out = C.forward(lm.model, ids[D:D + 1][None], cache, output_attentions=True)
     if not out.attentions or out.attentions[0] is None:
         raise KvprobeError("the model returned no attention weights; load it with attn_implementation='eager'")

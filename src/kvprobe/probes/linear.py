@@ -93,7 +93,7 @@ def sample_features(lm, a: AlignedCase, ids: list[int], notes: Sequence[int]) ->
     options = a.case.options
     with residual_hooks(lm) as resid:
         cache = C.new_cache()
-        out = C.forward(lm.model, torch.tensor([ids[: D + 1]], device=lm.device), cache)
+        out = C.forward(lm.model, torch.tensor([ids[: D + 1]], device=lm.device), cache, logits_to_keep=1)
     pred = int(option_scores(out.logits[0, -1].float().cpu(), a.option_ids, options).argmax())
     L = lm.adapter.n_layers
     res = torch.stack([r[0] for r in resid])  # (L, T, hidden)
