@@ -291,7 +291,8 @@ def _hoist(ctx: EditContext, s: Strategy) -> Edited:
         raise KvprobeError(f"hoist: the rewritten prompt of {ctx.a.case.case_id} does not align: {hoisted.reason}")
     f0, D = hoisted.field[0], hoisted.decision_pos
     start = time.perf_counter()
-    _, cache = C.prefill(ctx.lm.model, torch.tensor(hoisted.ids_old[:f0]), logits_to_keep=1)  # the deployment's cached prefix
+    # the deployment's cached prefix
+    _, cache = C.prefill(ctx.lm.model, torch.tensor(hoisted.ids_old[:f0]), logits_to_keep=1)
     return Edited(cache, hoisted.ids_new[f0 : D + 1], D - f0, D + 1, rewritten_prompt=True,
                   setup_s=time.perf_counter() - start)
 
