@@ -51,6 +51,15 @@ def mean_ci(values) -> tuple[float, float, float, int]:
     return (float(x.mean()) if len(x) else float("nan")), lo, hi, int(len(x))
 
 
+def valid_case_ids(decisions: pd.DataFrame) -> set[str]:
+    """The decision cases valid without chain-of-thought (stale gives the old answer, oracle the
+    new): the one case set every CoT budget is summarised over, so budgets compare paired. A
+    table with no budget-0 rows falls back to its own rows' validity."""
+    if "cot" in decisions and (decisions["cot"] == 0).any():
+        decisions = decisions[decisions["cot"] == 0]
+    return set(decisions.loc[decisions["valid"].astype(bool), "case_id"])
+
+
 def summarize_edits(df: pd.DataFrame, by=("strategy", "cot")) -> pd.DataFrame:
     """One row per group: agreement, recovery (guarded), cosine, KL, cost, each with n and CI."""
     rows = []

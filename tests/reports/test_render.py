@@ -171,6 +171,23 @@ def test_cot_side_by_side(variant):
     assert "<th>cot=0</th><th>cot=64</th>" in edits
 
 
+def test_cot_budgets_are_summarised_over_the_same_cases(variant):
+    from kvprobe.reports.sections import build_edits
+    from kvprobe.reports.load import load_run
+
+    folder = variant()
+    e = pd.read_parquet(folder / EDITS).assign(valid=True)
+    cases = sorted(e[~e.control].case_id.unique())
+    cot = e.assign(cot=64, valid=~e.case_id.eq(cases[0]))  # one case no longer valid after reasoning
+    pd.concat([e, cot], ignore_index=True).to_parquet(folder / EDITS, index=False)
+    d = build_edits(load_run(folder))
+    n = {(r["strategy"], r["cot"]): r["n"] for r in d["rows"]}
+    assert n[("oracle", 0)] == n[("oracle", 64)] == len(cases)  # paired: the case stays in the cot=64 rows
+    assert d["still_valid"] == [{"cot": 64, "n": len(cases), "valid": len(cases) - 1}]
+    html = render_html([folder])
+    assert f"With cot=64, {len(cases) - 1} of {len(cases)} stay valid" in html
+
+
 def test_composition_and_ttft(tmp_path):
     folder = tmp_path / "validate"
     folder.mkdir()

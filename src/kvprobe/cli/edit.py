@@ -26,7 +26,7 @@ def edit(model: str = typer.Option(..., help="model spec, see `kvprobe models`")
     from kvprobe.editing import run_edits
     from kvprobe.errors import KvprobeError
     from kvprobe.kv.edit import parse_strategy
-    from kvprobe.metrics import summarize_edits
+    from kvprobe.metrics import summarize_edits, valid_case_ids
     from kvprobe.results import EDITS, CaseStore, atomic_write_json
 
     specs = [s for s in strategies.split(",") if s.strip()]
@@ -53,13 +53,13 @@ def edit(model: str = typer.Option(..., help="model spec, see `kvprobe models`")
 
 
 def print_summary(df, all_cases: bool, title: str) -> None:
-    from kvprobe.metrics import summarize_edits
+    from kvprobe.metrics import summarize_edits, valid_case_ids
 
     if df.empty:
         console.print("[yellow]no aligned cases[/yellow]")
         return
     dec = df[~df.control]
-    valid_ids = set(dec[(dec.cot == 0) & dec.valid].case_id) if (dec.cot == 0).any() else set(dec.case_id)
+    valid_ids = valid_case_ids(dec)
     sel = df if all_cases else dec[dec.case_id.isin(valid_ids)]
     console.print(f"{len(valid_ids)} of {dec.case_id.nunique()} decision cases valid (the model answers correctly "
                   f"under both values); "
@@ -78,3 +78,6 @@ def print_summary(df, all_cases: bool, title: str) -> None:
                       f"{r.median_oracle_flip:.2f}", f"{r.cosine:.3f}", f"{r.kl:.3f}", f"{r.frac_recomputed:.1%}",
                       f"{r.wall_ms:.0f}")
     console.print(table)
+    for cot, g in sel[sel.cot > 0].groupby("cot"):
+        console.print(f"with cot={cot}: {g[g.valid].case_id.nunique()} of {g.case_id.nunique()} cases stay valid "
+                      f"(stale still old, oracle new after reasoning); agreement is with the oracle at that budget")
