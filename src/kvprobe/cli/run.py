@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from kvprobe.cli.common import console, err_console, load_with_status, progress_bar
+from kvprobe.cli.common import console, load_with_status, progress_bar
 
 
 def _csv(value: str | None, cast=str) -> list | None:
@@ -64,13 +64,10 @@ def run(model: str | None = typer.Option(None, help="model spec (default: the bu
                   f"({manifest['wall_s']['total']:.0f} s)")
     _print_headline(out)
     if report:
-        try:
-            from kvprobe.reports.render import render_report
-        except ImportError:
-            err_console.print("[dim]no report renderer installed yet; tables and manifest are written[/dim]")
-        else:
-            path = render_report([out], out / "report.html")
-            console.print(f"report: {path}")
+        from kvprobe.reports.render import render_report
+
+        path = render_report([out], out / "report.html")
+        console.print(f"report: {path}")
 
 
 def _print_headline(out: Path) -> None:
