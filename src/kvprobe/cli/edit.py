@@ -26,7 +26,6 @@ def edit(model: str = typer.Option(..., help="model spec, see `kvprobe models`")
     from kvprobe.editing import run_edits
     from kvprobe.errors import KvprobeError
     from kvprobe.kv.edit import parse_strategy
-    from kvprobe.metrics import summarize_edits, valid_case_ids
     from kvprobe.results import EDITS, CaseStore, atomic_write_json
 
     specs = [s for s in strategies.split(",") if s.strip()]

@@ -48,7 +48,7 @@ class PairCaches:
     def build(cls, lm, a: AlignedCase) -> "PairCaches":
         """Prefill both prompts, sharing the computation of the identical prefix before the field."""
         D, f0 = a.decision_pos, a.field[0]
-        _, prefix = C.prefill(lm.model, torch.tensor(a.ids_old[:f0]), logits_to_keep=1) if f0 else (None, C.new_cache())
+        prefix = C.prefill(lm.model, torch.tensor(a.ids_old[:f0]), logits_to_keep=1)[1] if f0 else C.new_cache()
         old, new = C.copy(prefix), C.copy(prefix)
         for cache, ids in ((old, a.ids_old), (new, a.ids_new)):
             C.forward(lm.model, torch.tensor([ids[f0:D]]), cache, logits_to_keep=1)

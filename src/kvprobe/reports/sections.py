@@ -212,7 +212,8 @@ def build_edits(run: Run) -> dict | None:
     still_valid = [{"cot": int(c), "n": int(g["case_id"].nunique()),
                     "valid": int(g.loc[g["valid"].astype(bool), "case_id"].nunique())}
                    for c, g in main.groupby("cot") if c] if "valid" in main and "cot" in main else []
-    return {"rows": rows, "figs": figs, "cots": cots, "cot_table": cot_table, "warning": warning, "still_valid": still_valid,
+    return {"rows": rows, "figs": figs, "cots": cots, "cot_table": cot_table, "warning": warning,
+            "still_valid": still_valid,
             "n_cases": int(main["case_id"].nunique()) if len(main) else 0,
             "sweep": [] if sweep_rows is None else [
                 {"ranking": r.ranking, "k": int(r.k), "agreement": Stat(r.agreement, r.agreement_lo, r.agreement_hi,
