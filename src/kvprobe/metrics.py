@@ -60,6 +60,16 @@ def valid_case_ids(decisions: pd.DataFrame) -> set[str]:
     return set(decisions.loc[decisions["valid"].astype(bool), "case_id"])
 
 
+def stay_valid(decisions: pd.DataFrame) -> list[dict]:
+    """Per CoT budget above 0: how many of these decision cases stay valid after reasoning (stale
+    still gives the old answer, oracle the new), as dicts of cot, n (cases) and valid."""
+    if "cot" not in decisions or "valid" not in decisions:
+        return []
+    return [{"cot": int(c), "n": int(g["case_id"].nunique()),
+             "valid": int(g.loc[g["valid"].astype(bool), "case_id"].nunique())}
+            for c, g in decisions.groupby("cot") if c]
+
+
 def summarize_edits(df: pd.DataFrame, by=("strategy", "cot")) -> pd.DataFrame:
     """One row per group: agreement, recovery (guarded), cosine, KL, cost, each with n and CI."""
     rows = []

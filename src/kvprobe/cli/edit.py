@@ -52,7 +52,7 @@ def edit(model: str = typer.Option(..., help="model spec, see `kvprobe models`")
 
 
 def print_summary(df, all_cases: bool, title: str) -> None:
-    from kvprobe.metrics import summarize_edits, valid_case_ids
+    from kvprobe.metrics import stay_valid, summarize_edits, valid_case_ids
 
     if df.empty:
         console.print("[yellow]no aligned cases[/yellow]")
@@ -77,6 +77,6 @@ def print_summary(df, all_cases: bool, title: str) -> None:
                       f"{r.median_oracle_flip:.2f}", f"{r.cosine:.3f}", f"{r.kl:.3f}", f"{r.frac_recomputed:.1%}",
                       f"{r.wall_ms:.0f}")
     console.print(table)
-    for cot, g in sel[sel.cot > 0].groupby("cot"):
-        console.print(f"with cot={cot}: {g[g.valid].case_id.nunique()} of {g.case_id.nunique()} cases stay valid "
-                      f"(stale still old, oracle new after reasoning); agreement is with the oracle at that budget")
+    for v in stay_valid(sel[~sel.control]):
+        console.print(f"with cot={v['cot']}: {v['valid']} of {v['n']} cases stay valid (stale still old, oracle new "
+                      f"after reasoning); agreement is with the oracle at that budget")

@@ -13,7 +13,7 @@ from markupsafe import Markup, escape
 
 from matplotlib.ticker import MaxNLocator
 
-from kvprobe.metrics import summarize_edits, valid_case_ids
+from kvprobe.metrics import stay_valid, summarize_edits, valid_case_ids
 from kvprobe.reports.figures import PALETTE, errbar, finite, new_figure, to_img
 from kvprobe.reports.load import TTFT, Run
 from kvprobe.reports.stats import Stat, mean_of, nanfloat
@@ -209,11 +209,8 @@ def build_edits(run: Run) -> dict | None:
     if len(cots) > 1:
         by = {(r["strategy"], r["cot"]): r["agreement"] for r in rows}
         cot_table = [{"strategy": s, "cells": [by.get((s, c)) for c in cots]} for s in order]
-    still_valid = [{"cot": int(c), "n": int(g["case_id"].nunique()),
-                    "valid": int(g.loc[g["valid"].astype(bool), "case_id"].nunique())}
-                   for c, g in main.groupby("cot") if c] if "valid" in main and "cot" in main else []
     return {"rows": rows, "figs": figs, "cots": cots, "cot_table": cot_table, "warning": warning,
-            "still_valid": still_valid,
+            "still_valid": stay_valid(main),
             "n_cases": int(main["case_id"].nunique()) if len(main) else 0,
             "sweep": [] if sweep_rows is None else [
                 {"ranking": r.ranking, "k": int(r.k), "agreement": Stat(r.agreement, r.agreement_lo, r.agreement_hi,
