@@ -6,6 +6,7 @@ model's decisions under the old and the new value.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 
 import pandas as pd
@@ -33,6 +34,7 @@ def edit_case(lm, a: AlignedCase, strategies: Sequence[E.Strategy], cot_tokens: 
         wanted.setdefault(s.label, s)
     applied: dict[str, E.Edited | KvprobeError] = {}
     reads: dict[str, tuple] = {}
+    decide_s: dict[str, float] = {}  # feeding the tail and reading the decision (no CoT only)
     for label, s in wanted.items():
         try:
             applied[label] = E.apply(ctx, s)
@@ -42,7 +44,9 @@ def edit_case(lm, a: AlignedCase, strategies: Sequence[E.Strategy], cot_tokens: 
             applied[label] = exc  # hoist cannot rewrite every prompt: tabulated as an error row
             continue
         if not cot_tokens:  # read at once and let the cache go (a K sweep holds dozens)
+            start = time.perf_counter()
             reads[label] = E.decide(lm, applied[label], 0)
+            decide_s[label] = time.perf_counter() - start
             applied[label] = dataclasses.replace(applied[label], cache=None)
     if cot_tokens:  # reasoning runs batched over the strategies
         ok = [label for label, e in applied.items() if not isinstance(e, KvprobeError)]
@@ -69,6 +73,7 @@ def edit_case(lm, a: AlignedCase, strategies: Sequence[E.Strategy], cot_tokens: 
             "agree": pred == pred_oracle, "correct": pred == case.expected_new, **compare(logits, oracle_logits),
             "tokens_recomputed": float(edited.recomputed), "tokens_total": edited.total,
             "frac_recomputed": float(edited.recomputed) / edited.total, "wall_s": edited.wall_s,
+            "decide_s": decide_s.get(s.label, float("nan")),
             "rewritten_prompt": edited.rewritten_prompt, "generated": text, "error": None,
         })
     df = pd.DataFrame(rows)

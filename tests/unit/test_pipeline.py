@@ -109,3 +109,26 @@ def test_a_strategy_both_in_the_list_and_in_the_k_sweep_gets_one_row_per_case(lm
     held = set(edits[edits.strategy == "selective:2:random"].case_id)
     assert held and not edits.duplicated(["case_id", "strategy", "cot"]).any()
     assert (edits.strategy == "selective:1:random").sum() == edits.case_id.nunique()
+
+
+def test_edit_rows_time_the_repair_and_the_road_to_the_decision_separately(lm, tmp_path):
+    """An erratum's cost is the line it feeds, not the crop before it: ``decide_s`` times the tail
+    up to the decision logits (without CoT; with CoT the strategies reason as one batch)."""
+    from kvprobe.cli.edit import print_summary
+    from kvprobe.cli.common import console
+    from kvprobe.metrics import summarize_edits
+
+    cfg = P.RunConfig(**{**SMALL, "strategies": ["stale", "erratum", "oracle"], "cot": [0, 2]})
+    P.run(cfg, tmp_path, lm=lm)
+    edits = pd.read_parquet(tmp_path / EDITS)
+    main = edits[edits.strategy.isin(cfg.strategies)]
+    assert (main[main.cot == 0].decide_s > 0).all() and main[main.cot == 2].decide_s.isna().all()
+    summ = summarize_edits(main).set_index(["strategy", "cot"])
+    assert (summ.loc[(slice(None), 0), "to_decision_ms"] > summ.loc[(slice(None), 0), "wall_ms"]).all()
+    assert summ.loc[(slice(None), 2), "to_decision_ms"].isna().all()
+    # a threshold no case reaches leaves recovery undefined everywhere: said, not printed as nan
+    no_recovery = main.assign(recovery=float("nan"))
+    with console.capture() as cap:
+        print_summary(no_recovery, True, "tiny", min_flip=1e9)
+    assert "nan" not in cap.get() and "- (0)" in cap.get()
+    assert "with cot=0: no recovery ratio, since no case's |oracle flip| reaches min_flip=1e+09" in cap.get()

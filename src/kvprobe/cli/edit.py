@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import typer
@@ -47,11 +48,14 @@ def edit(model: str = typer.Option(..., help="model spec, see `kvprobe models`")
                        "strategies": specs, "cot": cots, "form": form, "min_flip": min_flip,
                        "skipped": [{"case_id": s.case_id, "reason": s.reason} for s in skipped]},
                       out / "edit_manifest.json")
-    print_summary(df, all_cases, model)
+    print_summary(df, all_cases, model, min_flip)
     console.print(f"wrote {path} ({EDITS})")
 
 
-def print_summary(df, all_cases: bool, title: str) -> None:
+def print_summary(df, all_cases: bool, title: str, min_flip: float) -> None:
+    """Agreement, recovery and cost per strategy and CoT budget, over the valid decision cases
+    (every case with ``all_cases``); ``min_flip`` is the run's recovery threshold, for the note
+    when no case reaches it."""
     from kvprobe.metrics import stay_valid, summarize_edits, valid_case_ids
 
     if df.empty:
@@ -69,14 +73,17 @@ def print_summary(df, all_cases: bool, title: str) -> None:
     summ = summarize_edits(sel[sel.error.isna()])
     table = Table(title=f"edit strategies: {title}")
     for col in ("strategy", "CoT", "n", "agreement [95% CI]", "recovery [95% CI] (n)", "|oracle flip|",
-                "cosine", "KL", "recomputed", "ms"):
+                "cosine", "KL", "recomputed", "repair ms", "to decision ms"):
         table.add_column(col, justify="right" if col not in ("strategy",) else "left")
     for r in summ.itertuples():
+        rec = (f"{r.recovery:+.2f} [{r.recovery_lo:+.2f}, {r.recovery_hi:+.2f}] ({r.n_recovery})" if r.n_recovery
+               else "- (0)")
         table.add_row(r.strategy, str(r.cot), str(r.n), f"{r.agreement:.2f} [{r.agreement_lo:.2f}, {r.agreement_hi:.2f}]",
-                      f"{r.recovery:+.2f} [{r.recovery_lo:+.2f}, {r.recovery_hi:+.2f}] ({r.n_recovery})",
-                      f"{r.median_oracle_flip:.2f}", f"{r.cosine:.3f}", f"{r.kl:.3f}", f"{r.frac_recomputed:.1%}",
-                      f"{r.wall_ms:.0f}")
+                      rec, f"{r.median_oracle_flip:.2f}", f"{r.cosine:.3f}", f"{r.kl:.3f}", f"{r.frac_recomputed:.1%}",
+                      f"{r.wall_ms:.0f}", "-" if math.isnan(r.to_decision_ms) else f"{r.to_decision_ms:.0f}")
     console.print(table)
+    for cot in sorted(summ[summ.n_recovery == 0].cot.unique()):
+        console.print(f"with cot={cot}: no recovery ratio, since no case's |oracle flip| reaches min_flip={min_flip:g}")
     for v in stay_valid(sel[~sel.control]):
         console.print(f"with cot={v['cot']}: {v['valid']} of {v['n']} cases stay valid (stale still old, oracle new "
                       f"after reasoning); agreement is with the oracle at that budget")

@@ -77,8 +77,11 @@ def _print_headline(out: Path) -> None:
     from kvprobe.results import EDITS
 
     if (out / EDITS).exists():
-        df = pd.read_parquet(out / EDITS)
-        print_summary(df[~df.strategy.str.startswith("selective:")], False, str(out))
+        import json
+
+        cfg = json.loads((out / "config.json").read_text())
+        df = pd.read_parquet(out / EDITS)  # the configured strategies; the K sweep is in the report
+        print_summary(df[df.strategy.isin(cfg["strategies"])], False, str(out), cfg["min_flip"])
     topk = out / "topk.yaml"
     if topk.exists():
         import yaml

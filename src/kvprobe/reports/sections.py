@@ -196,6 +196,7 @@ def build_edits(run: Run) -> dict | None:
                          "recovery": Stat(r.recovery, r.recovery_lo, r.recovery_hi, int(r.n_recovery)),
                          "excluded": int(r.n_excluded_small_flip), "flip": r.median_oracle_flip,
                          "frac": r.frac_recomputed, "cosine": r.cosine, "kl": r.kl, "ms": r.wall_ms,
+                         "decision_ms": r.to_decision_ms,
                          "errors": int(errors.get((r.strategy, r.cot), 0)) if len(errors) else 0})
     cots = sorted(int(c) for c in main["cot"].unique()) if "cot" in main else [0]
     sweep = valid[~main_mask.reindex(valid.index, fill_value=False) & valid["strategy"].str.startswith("selective:")]
