@@ -89,6 +89,7 @@ def summarize_edits(df: pd.DataFrame, by=("strategy", "cot")) -> pd.DataFrame:
                    median_oracle_flip=float(g.oracle_flip.abs().median()),
                    correct=float(g.correct.mean()), cosine=float(g.cosine.mean()), kl=float(g.kl.mean()),
                    frac_recomputed=float(g.frac_recomputed.mean()), wall_ms=1000 * float(g.wall_s.mean()),
-                   to_decision_ms=1000 * float((g.wall_s + g.decide_s).mean(skipna=False)) if "decide_s" in g else float("nan"))
+                   to_decision_ms=(1000 * float((g.wall_s + g.decide_s).mean(skipna=False))
+                                   if "decide_s" in g else float("nan")))
         rows.append(row)
     return pd.DataFrame(rows)
