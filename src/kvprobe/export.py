@@ -52,6 +52,8 @@ def topk_config(edits: pd.DataFrame, fingerprint: dict, rule: dict, kinds_at_top
         cfg.update(k_star=int(best.k), agreement=round(float(best.agreement), 4),
                    agreement_ci95=[round(float(best.agreement_lo), 4), round(float(best.agreement_hi), 4)],
                    n_cases=int(best.n))
+    elif not rule.get("n_training_cases"):
+        cfg.update(k_star=None, reason=rule.get("note") or "the causal ranking rule has no training cases")
     else:
         tried = int(sweep.k.max()) if len(sweep) else 0
         cfg.update(k_star=None, reason=(f"no K up to {tried} (downstream length up to {max_downstream}) reached "

@@ -263,14 +263,16 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
     rule = fit_rule(locality, {c: aligned[c] for c in rank_ids}, cfg.min_flip) if len(locality) else None
     held = [aligned[c] for c in held_ids]
     max_down = max((a.downstream[1] - a.downstream[0] for a in valid), default=0)
+    learned = rule is not None and rule.n_cases > 0  # an empty rule would rank by position alone: not causal
     if rule is not None:
-        atomic_write_json({"rule": rule.as_dict(), "ranking_cases": rank_ids, "held_out_cases": held_ids,
-                           "kinds_at_top": kinds_of_top(rule, held, 8), "max_downstream": max_down},
-                          out / RANKING_RULE)
+        note = None if learned else _unlearned_note(locality, rank_ids, cfg.min_flip)
+        atomic_write_json({"rule": {**rule.as_dict(), **({"note": note} if note else {})}, "ranking_cases": rank_ids,
+                           "held_out_cases": held_ids, "kinds_at_top": kinds_of_top(rule, held, 8) if learned else {},
+                           "max_downstream": max_down}, out / RANKING_RULE)
 
     # the editor: every strategy on the valid cases (+ controls), the K sweep on the held-out half
     base = [parse_strategy(s) for s in cfg.strategies]
-    rankings = [r for r in cfg.rankings if r != "causal" or rule is not None]
+    rankings = [r for r in cfg.rankings if r != "causal" or learned]
     edit_items = [(f"{a.case.case_id}.cot{c}", (a, c)) for a in valid + [aligned[i] for i in control_ids]
                   for c in cfg.cot]
     tick = progress("edits", len(edit_items) + len(held))
@@ -287,6 +289,8 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
         return edit_case(lm, case, strategies, cot, cfg.min_flip, ranking=rule, seed=cfg.seed, model_name=name)
 
     edits = stages.run("edits", lambda: _per_case(CaseStore(out, "edits"), edit_items, edit_one, tick))
+    if not learned and "ranking" in edits:  # parts stored by a version that ranked with an empty rule
+        edits = edits[edits.ranking.ne("causal")]
     atomic_write_parquet(edits, out / EDITS)
 
     compose_summary = []
@@ -320,6 +324,15 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
     if rule is not None:
         export_topk(out)
     return manifest
+
+
+def _unlearned_note(locality: pd.DataFrame, rank_ids: list[str], min_flip: float) -> str:
+    """Why the causal ranking rule has no training case, and what to change."""
+    flips = locality[locality.case_id.isin(rank_ids)].oracle_flip.abs()
+    largest = f"; the largest is {flips.max():.2f}" if len(flips) else ""
+    return (f"no causal ranking rule: none of the {len(rank_ids)} ranking cases has an oracle flip of at least "
+            f"min_flip={min_flip:g} logits{largest}. A run with a lower --min-flip (into a new folder) learns from "
+            f"smaller flips")
 
 
 def _invalid_reasons(validity: pd.DataFrame) -> dict:

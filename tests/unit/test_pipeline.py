@@ -132,3 +132,19 @@ def test_edit_rows_time_the_repair_and_the_road_to_the_decision_separately(lm, t
         print_summary(no_recovery, True, "tiny", min_flip=1e9)
     assert "nan" not in cap.get() and "- (0)" in cap.get()
     assert "with cot=0: no recovery ratio, since no case's |oracle flip| reaches min_flip=1e+09" in cap.get()
+
+
+def test_no_case_reaching_min_flip_means_no_causal_ranking_and_says_why(lm, tmp_path):
+    """An empty rule would rank by position alone; it is not run as 'causal', and topk.yaml says why."""
+    import yaml
+
+    from kvprobe.results import RANKING_RULE
+
+    P.run(P.RunConfig(**{**SMALL, "min_flip": 1e9}), tmp_path, lm=lm)
+    edits = pd.read_parquet(tmp_path / EDITS)
+    assert not (edits.ranking == "causal").any() and (edits.ranking == "random").any()
+    rule = json.loads((tmp_path / RANKING_RULE).read_text())["rule"]
+    assert rule["n_training_cases"] == 0 and "min_flip=1e+09" in rule["note"]
+    topk = yaml.safe_load((tmp_path / "topk.yaml").read_text())
+    assert topk["k_star"] is None and topk["reason"].startswith("no causal ranking rule: none of the")
+    assert "--min-flip" in topk["reason"]

@@ -7,7 +7,7 @@ import sys
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-console = Console(width=130) if not sys.stdout.isatty() else Console()
+console = Console(width=170) if not sys.stdout.isatty() else Console()  # logs: wide enough for the edit table
 err_console = Console(stderr=True)
 
 

@@ -23,6 +23,9 @@ def run(model: str | None = typer.Option(None, help="model spec (default: the bu
                                                help="probe only cases the model gets right under both values"),
         max_controls: int | None = typer.Option(None, min=0, help="valid negative controls carried into the "
                                                                   "edits, a seeded sample (default: all)"),
+        min_flip: float | None = typer.Option(None, min=0.0, help="recovery ratios and the causal ranking rule use "
+                                                                 "only cases whose oracle flip is at least this "
+                                                                 "many logits (default 1.0)"),
         compose: int | None = typer.Option(None, min=0, help="also run the composition gate (kvprobe validate) "
                                                             "on this many queries; 0 = skip"),
         config: Path | None = typer.Option(None, help="a YAML RunConfig; flags override it"),
@@ -40,7 +43,7 @@ def run(model: str | None = typer.Option(None, help="model spec (default: the bu
     overrides = {k: v for k, v in {
         "model": model, "dataset": dataset, "probes": _csv(probes), "strategies": _csv(strategies), "n": n,
         "seed": seed, "cot": _csv(cot, int) if cot else None, "valid_only": valid_only,
-        "max_controls": max_controls, "compose": compose}.items() if v is not None}
+        "max_controls": max_controls, "min_flip": min_flip, "compose": compose}.items() if v is not None}
     try:
         cfg = RunConfig.from_yaml(config, **overrides) if config else RunConfig(**overrides)
     except ValidationError as exc:
