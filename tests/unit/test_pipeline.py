@@ -114,8 +114,8 @@ def test_a_strategy_both_in_the_list_and_in_the_k_sweep_gets_one_row_per_case(lm
 def test_edit_rows_time_the_repair_and_the_road_to_the_decision_separately(lm, tmp_path):
     """An erratum's cost is the line it feeds, not the crop before it: ``decide_s`` times the tail
     up to the decision logits (without CoT; with CoT the strategies reason as one batch)."""
-    from kvprobe.cli.edit import print_summary
     from kvprobe.cli.common import console
+    from kvprobe.cli.edit import print_summary
     from kvprobe.metrics import summarize_edits
 
     cfg = P.RunConfig(**{**SMALL, "strategies": ["stale", "erratum", "oracle"], "cot": [0, 2]})
