@@ -65,7 +65,7 @@ def run(model: str | None = typer.Option(None, help="model spec (default: the bu
     console.print(f"{cfg.model}: {c['valid_decision']} valid decision cases of {c['aligned']} aligned "
                   f"({c['skipped']} skipped, {c['invalid']} invalid; {c['probed_decision']} probed); results in {out} "
                   f"({manifest['wall_s']['total']:.0f} s)")
-    _print_headline(out)
+    _print_headline(out, cfg)
     if report:
         from kvprobe.reports.render import render_report
 
@@ -73,28 +73,26 @@ def run(model: str | None = typer.Option(None, help="model spec (default: the bu
         console.print(f"report: {path}")
 
 
-def _print_headline(out: Path) -> None:
+def _print_headline(out: Path, cfg) -> None:
+    """The edit table of the configured strategies (the K sweep is in the report), then K*."""
     import pandas as pd
 
     from kvprobe.cli.edit import print_summary
     from kvprobe.results import EDITS
 
     if (out / EDITS).exists():
-        import json
-
-        cfg = json.loads((out / "config.json").read_text())
-        df = pd.read_parquet(out / EDITS)  # the configured strategies; the K sweep is in the report
-        print_summary(df[df.strategy.isin(cfg["strategies"])], False, str(out), cfg["min_flip"])
+        df = pd.read_parquet(out / EDITS)
+        print_summary(df[df.strategy.isin(cfg.strategies)], False, str(out), cfg.min_flip)
     topk = out / "topk.yaml"
     if topk.exists():
         import yaml
 
-        cfg = yaml.safe_load(topk.read_text())
-        if cfg.get("k_star") is not None:
-            console.print(f"K* = {cfg['k_star']} (agreement {cfg['agreement']:.2f}, 95% CI {cfg['agreement_ci95']}, "
-                          f"n={cfg['n_cases']}); {topk}")
+        k = yaml.safe_load(topk.read_text())
+        if k.get("k_star") is not None:
+            console.print(f"K* = {k['k_star']} (agreement {k['agreement']:.2f}, 95% CI {k['agreement_ci95']}, "
+                          f"n={k['n_cases']}); {topk}")
         else:
-            console.print(f"K*: none. {cfg.get('reason')}; {topk}")
+            console.print(f"K*: none. {k.get('reason')}; {topk}")
 
 
 def export_topk(results_dir: Path = typer.Argument(..., help="a kvprobe run results folder"),
