@@ -37,3 +37,30 @@ def tiny(request):
 def ids_of(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
     """Random token ids (1, n), avoiding the special ids 0-3."""
     return torch.randint(4, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+# -- no silent skips -------------------------------------------------------------------------------
+# A test that needs a bundled model fetches it; a browser or vLLM test installs what it needs. The
+# only skip allowed is for hardware this kind of machine cannot have: pytest.skip(GPU_SKIP + ...).
+# Any other skip fails the session (so `.ci/run` fails), listed by test and reason.
+GPU_SKIP = "needs a GPU"
+_bad_skips: list[tuple[str, str]] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if not reason.removeprefix("Skipped: ").startswith(GPU_SKIP):
+            _bad_skips.append((report.nodeid, reason))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _bad_skips:
+        terminalreporter.section("skips that are not allowed (only '" + GPU_SKIP + "' may skip)", red=True)
+        for nodeid, reason in _bad_skips:
+            terminalreporter.line(f"{nodeid}: {reason}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _bad_skips and exitstatus == 0:
+        session.exitstatus = 1

@@ -1,23 +1,19 @@
-"""Alignment under a real BPE tokenizer (SmolLM2), when the bundled model cache holds it."""
+"""Alignment under a real BPE tokenizer (SmolLM2's, fetched into the kvprobe cache on first use)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
 from kvprobe.datasets import AlignedCase, align, generate
 
-SMOLLM2 = Path.home() / ".cache" / "kvprobe" / "models" / "smollm2-135m"
-
 
 @pytest.fixture(scope="module")
 def bpe_tok():
-    if not (SMOLLM2 / "tokenizer.json").is_file():
-        pytest.skip(f"no SmolLM2 tokenizer at {SMOLLM2} (the bundled model cache is not built)")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(SMOLLM2)
+    from kvprobe.models import fetch
+
+    return AutoTokenizer.from_pretrained(fetch("smollm2-135m"))
 
 
 @pytest.mark.parametrize("form", ["chat", "raw"])

@@ -23,7 +23,6 @@ from kvprobe.errors import KvprobeError
 from kvprobe.kv import cache as C
 from kvprobe.kv import compose as K
 from kvprobe.kv.edit import recompute_positions
-from kvprobe.models import is_cached
 from tests.conftest import TINY, ids_of, tiny_model
 
 TOL = 1e-5
@@ -296,7 +295,6 @@ def test_validate_cli_refuses_a_folder_with_other_settings(tmp_path):
 # -- a real model -----------------------------------------------------------------------------------
 @pytest.mark.real
 @pytest.mark.slow
-@pytest.mark.skipif(not is_cached("smollm2-135m"), reason="smollm2-135m is not cached")
 def test_real_model_rerotation_moves_keys_and_composes_close_to_recompute():
     """On SmolLM2 the re-rotated layer-0 keys of a moved block match an in-place prefill far better
     than the unmoved control, and composed logits stay close to full recompute. At the logit level

@@ -80,11 +80,12 @@ def models_fetch(alias: str = typer.Argument(..., help="a bundled alias, see `kv
     """Download, verify and dequantise a bundled model once, into the kvprobe cache."""
     import time
 
+    from kvprobe.cli.common import say
     from kvprobe.models import fetch
 
     start = time.perf_counter()
-    with console.status(f"fetching {alias}") as status:
-        folder = fetch(alias, progress=lambda msg: status.update(f"{alias}: {msg}"))
+    with console.status(f"fetching {alias}"):
+        folder = fetch(alias, progress=lambda msg: say(alias, msg))
     console.print(f"{alias} ready at {folder} ({time.perf_counter() - start:.1f} s)")
 
 

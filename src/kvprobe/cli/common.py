@@ -17,9 +17,20 @@ def progress_bar() -> Progress:
                     TimeRemainingColumn(), console=err_console, transient=True)
 
 
-def load_with_status(spec: str, dtype: str = "float32", device: str = "cpu"):
-    """load_model with a live status line (fetching, dequantising, training a toy...)."""
+ALLOW_FAILED_TOY_HELP = "load a toy folder even though its manifest records a failed held-out check"
+
+
+def say(spec: str, msg: str) -> None:
+    """One plain line on stderr for slow one-off work (downloading, dequantising, training), so it
+    shows in logs too, where a live status line is not drawn."""
+    err_console.print(f"{spec}: {msg}", highlight=False, markup=False, soft_wrap=True)
+
+
+def load_with_status(spec: str, dtype: str = "float32", device: str = "cpu", attn: str = "eager",
+                     allow_failed_toy: bool = False):
+    """load_model with a live status line, and a plain line for each slow step (fetching, dequantising)."""
     from kvprobe.models import load_model
 
-    with err_console.status(f"loading {spec}") as status:
-        return load_model(spec, dtype=dtype, device=device, progress=lambda msg: status.update(f"{spec}: {msg}"))
+    with err_console.status(f"loading {spec}"):
+        return load_model(spec, dtype=dtype, device=device, attn=attn, allow_failed_toy=allow_failed_toy,
+                          progress=lambda msg: say(spec, msg))

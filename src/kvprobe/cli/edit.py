@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from kvprobe.cli.common import console, load_with_status, progress_bar
+from kvprobe.cli.common import ALLOW_FAILED_TOY_HELP, console, load_with_status, progress_bar
 
 
 def edit(model: str = typer.Option(..., help="model spec, see `kvprobe models`"),
@@ -21,6 +21,7 @@ def edit(model: str = typer.Option(..., help="model spec, see `kvprobe models`")
          few_shot: int = typer.Option(0, min=0),
          min_flip: float = typer.Option(1.0, help="cases whose oracle flip is smaller get no recovery ratio"),
          all_cases: bool = typer.Option(False, "--all-cases", help="summarise invalid cases too"),
+         allow_failed_toy: bool = typer.Option(False, "--allow-failed-toy", help=ALLOW_FAILED_TOY_HELP),
          out: Path = typer.Option(Path("results/edit"), help="results folder (resumable)")) -> None:
     """Run edit strategies on a model and dataset; writes edits.parquet and prints the summary."""
     from kvprobe.datasets import resolve_dataset
@@ -37,7 +38,7 @@ def edit(model: str = typer.Option(..., help="model spec, see `kvprobe models`")
     except ValueError:
         raise KvprobeError(f"bad --cot {cot!r}; give comma-separated token budgets such as 0,64") from None
     cases = resolve_dataset(dataset, n=n, seed=seed, **({"few_shot": few_shot} if dataset == "default" else {}))
-    lm = load_with_status(model)
+    lm = load_with_status(model, allow_failed_toy=allow_failed_toy)
     store = CaseStore(out, "edits")
     with progress_bar() as bar:
         task = bar.add_task(f"editing {len(cases)} cases x {len(cots)} CoT settings", total=len(cases) * len(cots))

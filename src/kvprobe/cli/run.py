@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from kvprobe.cli.common import console, load_with_status, progress_bar
+from kvprobe.cli.common import ALLOW_FAILED_TOY_HELP, console, load_with_status, progress_bar
 
 
 def _csv(value: str | None, cast=str) -> list | None:
@@ -30,7 +30,8 @@ def run(model: str | None = typer.Option(None, help="model spec (default: the bu
                                                             "on this many queries; 0 = skip"),
         config: Path | None = typer.Option(None, help="a YAML RunConfig; flags override it"),
         out: Path | None = typer.Option(None, help="results folder (default results/<model>)"),
-        report: bool = typer.Option(True, help="write report.html at the end")) -> None:
+        report: bool = typer.Option(True, help="write report.html at the end"),
+        allow_failed_toy: bool = typer.Option(False, "--allow-failed-toy", help=ALLOW_FAILED_TOY_HELP)) -> None:
     """Validity, the four probes, every edit strategy and the top-K export, into one results folder.
 
     An interrupted run resumes from where it stopped when run again with the same --out.
@@ -52,7 +53,7 @@ def run(model: str | None = typer.Option(None, help="model spec (default: the bu
     except ValueError as exc:
         raise KvprobeError(f"bad run option: {exc}") from None
     out = out or Path("results") / cfg.model.replace("/", "_")
-    lm = load_with_status(cfg.model, cfg.dtype, cfg.device)
+    lm = load_with_status(cfg.model, cfg.dtype, cfg.device, allow_failed_toy=allow_failed_toy)
     with progress_bar() as bar:
         tasks = {}
 

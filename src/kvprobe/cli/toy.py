@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 from rich.table import Table
 
-from kvprobe.cli.common import console, err_console, progress_bar
+from kvprobe.cli.common import ALLOW_FAILED_TOY_HELP, console, err_console, load_with_status, progress_bar, say
 
-toy_app = typer.Typer(help="Toy field-edit models: a small model of each family, trained here in minutes, "
-                           "that decides by the field.", no_args_is_help=True)
+toy_app = typer.Typer(help="Toy field-edit models: a small model of each family that decides by the field, "
+                           "shipped with kvprobe and reproducible from its recipe in minutes.", no_args_is_help=True)
 
 FAMILY_HELP = "llama, qwen2, qwen3, gemma2, gemma3 or mistral"
 
@@ -29,54 +31,86 @@ def metrics_table(title: str, metrics: dict) -> Table:
     return table
 
 
+def comparison_table(title: str, retrained: dict, shipped: dict) -> Table:
+    """A retrained toy's held-out figures beside the shipped toy's."""
+    from kvprobe.models.toy import compare_heldout
+
+    table = Table(title=title)
+    for col in ("metric", "retrained", "shipped", "difference"):
+        table.add_column(col)
+    for key, mine, theirs, diff in compare_heldout(retrained, shipped):
+        table.add_row(key, f"{mine:.3f}", f"{theirs:.3f}", f"{diff:+.3f}")
+    return table
+
+
 @toy_app.command("train")
 def train(family: str = typer.Option(..., help=FAMILY_HELP),
           seed: int = typer.Option(None, help="training seed (default: the toy seed, 0)"),
           steps: int = typer.Option(None, min=1, help="optimiser steps (default: the toy recipe's)"),
-          force: bool = typer.Option(False, "--force", help="retrain even when the toy is cached")) -> None:
-    """Train toy-<family> on the field-edit task, save it to the cache, print held-out metrics."""
+          out: Path = typer.Option(None, help="folder to save it to (default $KVPROBE_HOME/models/toy-<family>)"),
+          force: bool = typer.Option(False, "--force", help="retrain even when that folder holds a toy")) -> None:
+    """Reproduce toy-<family> from its recipe, save it, and compare its held-out figures with the shipped toy's.
+
+    The shipped toy-<family> is not replaced: load the retrained one with --model <folder>.
+    """
     import dataclasses
 
     from kvprobe.models import toy
 
     family = toy.toy_family(family)
-    manifest = toy.read_manifest(family)
+    folder = out or toy.toy_dir(family)
+    manifest = toy.read_manifest(folder)
     if manifest is not None and not force:
-        console.print(f"toy-{family} is already trained at {toy.toy_dir(family)} "
-                      f"(seed {manifest['seed']}, {manifest['train']['steps']} steps); --force retrains it")
-        console.print(metrics_table(f"toy-{family}: held-out", manifest["heldout"]))
+        console.print(f"{folder} already holds toy-{manifest['family']} (seed {manifest['seed']}, "
+                      f"{manifest['train']['steps']} steps); --force retrains it")
+        console.print(metrics_table(f"{folder}: held-out", manifest["heldout"]))
         return
     recipe = toy.toy_recipe(family)
     if steps is not None:
         recipe = dataclasses.replace(recipe, steps=steps)
+    say(f"toy-{family}", f"training {recipe.steps} steps of {recipe.batch_size} prompts on {recipe.threads} "
+                         f"thread(s), then a held-out evaluation (about 2-3 minutes on 2 cores)")
     with progress_bar() as bar:
         task = bar.add_task(f"toy-{family}", total=recipe.steps)
 
         def on_step(step: int, total: int, loss: float) -> None:
             bar.update(task, completed=step, description=f"toy-{family} loss {loss:.3f}")
+            if not err_console.is_terminal and (step % 200 == 0 or step == total):
+                say(f"toy-{family}", f"step {step}/{total}, loss {loss:.3f}")
 
         result = toy.train_toy(family, seed=toy.TOY_SEED if seed is None else seed, train=recipe, on_step=on_step,
-                               progress=lambda msg: err_console.print(f"[dim]{msg}[/dim]"))
+                               out=folder, progress=lambda msg: say(f"toy-{family}", msg))
     m = result.manifest
     console.print(f"toy-{family} saved to {result.folder} ({m['train_wall_s']} s training, "
                   f"{m['eval_wall_s']} s evaluation, weights {m['weights_sha256'][:16]})")
     console.print(metrics_table(f"toy-{family}: held-out", m["heldout"]))
+    shipped = toy.read_manifest(toy.shipped_dir(family))
+    if shipped is not None and m["heldout"].get("acc_old") is not None:
+        console.print(comparison_table(f"toy-{family}: retrained against shipped", m["heldout"], shipped["heldout"]))
+        same = "identical to" if m["weights_sha256"] == shipped["weights_sha256"] else "different from"
+        console.print(f"weights {same} the shipped toy's (trained on {shipped.get('machine', {}).get('cpu', '?')}; "
+                      f"this machine: {m['machine']['cpu']})", soft_wrap=True)
+    console.print(f"use it with --model {result.folder}")
     if m["heldout_failures"]:
-        err_console.print(f"[yellow]below threshold: {'; '.join(m['heldout_failures'])}[/yellow]")
+        err_console.print(f"[yellow]below threshold: {'; '.join(m['heldout_failures'])}; kvprobe refuses this toy "
+                          f"unless --allow-failed-toy is given[/yellow]", soft_wrap=True)
 
 
 @toy_app.command("eval")
-def evaluate(family: str = typer.Option(..., help=FAMILY_HELP),
+def evaluate(family: str = typer.Option(None, help=FAMILY_HELP + " (the shipped toy)"),
+             folder: Path = typer.Option(None, help="a toy folder made by `kvprobe toy train`, instead of --family"),
              n: int = typer.Option(400, min=10, help="held-out cases (a quarter are negative controls)"),
-             seed: int = typer.Option(None, help="held-out seed (default: the toy evaluation seed)")) -> None:
-    """Evaluate toy-<family> (trained first if it is not cached) on fresh held-out cases."""
-    from kvprobe.cli.common import load_with_status
+             seed: int = typer.Option(None, help="held-out seed (default: the toy evaluation seed)"),
+             allow_failed_toy: bool = typer.Option(False, "--allow-failed-toy", help=ALLOW_FAILED_TOY_HELP)) -> None:
+    """Evaluate a toy (the shipped toy-<family>, or --folder) on fresh held-out cases."""
+    from kvprobe.errors import KvprobeError
     from kvprobe.models import toy
 
-    family = toy.toy_family(family)
-    lm = load_with_status(f"toy-{family}")
-    with err_console.status(f"evaluating toy-{family} on {n} held-out cases"):
-        metrics = toy.evaluate_toy(lm, seed=toy.EVAL_SEED if seed is None else seed, n=n,
-                                   n_unseen=max(20, n // 4))
-    console.print(metrics_table(f"toy-{family}: held-out (seed {toy.EVAL_SEED if seed is None else seed})",
-                                metrics))
+    if (family is None) == (folder is None):
+        raise KvprobeError("give exactly one of --family (the shipped toy) and --folder (a retrained toy)")
+    spec = f"toy-{toy.toy_family(family)}" if family else str(folder)
+    lm = load_with_status(spec, allow_failed_toy=allow_failed_toy)
+    seed = toy.EVAL_SEED if seed is None else seed
+    with err_console.status(f"evaluating {spec} on {n} held-out cases"):
+        metrics = toy.evaluate_toy(lm, seed=seed, n=n, n_unseen=max(20, n // 4))
+    console.print(metrics_table(f"{spec}: held-out (seed {seed})", metrics))

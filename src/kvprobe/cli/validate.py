@@ -13,7 +13,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from kvprobe.cli.common import console, err_console, progress_bar
+from kvprobe.cli.common import ALLOW_FAILED_TOY_HELP, console, load_with_status, progress_bar
 from kvprobe.errors import KvprobeError
 
 
@@ -44,12 +44,12 @@ def validate(model: str = typer.Option(..., help="model spec, see `kvprobe model
              form: str = typer.Option("auto", help="chat, raw or auto"),
              attn: str = typer.Option("eager", help="attention implementation: eager or sdpa"),
              store: bool = typer.Option(True, help="save every block to <out>/blocks and compose from the files"),
+             allow_failed_toy: bool = typer.Option(False, "--allow-failed-toy", help=ALLOW_FAILED_TOY_HELP),
              out: Path = typer.Option(Path("results/validate"), help="results folder")) -> None:
     """Composed caches against full recompute: agreement, cosine and KL for every seam width."""
     import time
 
     from kvprobe.kv.compose import run_compose, summarize_compose
-    from kvprobe.models import load_model
     from kvprobe.results import COMPOSE, CaseStore, atomic_write_json, atomic_write_parquet, claim_folder
 
     seam_list = sorted(set(_ints(seams, "--seams")) | {seam})
@@ -59,8 +59,7 @@ def validate(model: str = typer.Option(..., help="model spec, see `kvprobe model
               "form": form, "attn": attn, "store": store}
     out.mkdir(parents=True, exist_ok=True)
     claim_folder(out, "validate_config.json", config, held="validate run with other settings")
-    with err_console.status(f"loading {model}") as status:
-        lm = load_model(model, attn=attn, progress=lambda msg: status.update(f"{model}: {msg}"))
+    lm = load_with_status(model, attn=attn, allow_failed_toy=allow_failed_toy)
     start = time.perf_counter()
     with progress_bar() as bar:
         pre = bar.add_task("precompiling skills", total=None)

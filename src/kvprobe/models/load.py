@@ -101,14 +101,7 @@ def _from_folder(path: Path | str, gguf_file: str | None = None, model_class: st
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    if (Path(path) / "toy_manifest.json").exists():
-        # A toy's word-level tokenizer: AutoTokenizer would swap in the family's own class (for
-        # qwen2, Qwen2Tokenizer) and tokenize differently, silently.
-        from transformers import PreTrainedTokenizerFast
-
-        tok = PreTrainedTokenizerFast.from_pretrained(path)
-    else:
-        tok = AutoTokenizer.from_pretrained(path, **kwargs)
+    tok = AutoTokenizer.from_pretrained(path, **kwargs)
     cls = getattr(transformers, model_class) if model_class else AutoModelForCausalLM
     model = cls.from_pretrained(path, dtype=torch.float32, attn_implementation=attn, **kwargs)
     if gguf_file:  # dequantised already; drop the quantiser so the model behaves as plain fp32
@@ -117,11 +110,12 @@ def _from_folder(path: Path | str, gguf_file: str | None = None, model_class: st
 
 
 def load_model(spec: str, dtype: str = "float32", device: str = "cpu", progress=lambda s: None,
-               attn: str = "eager") -> LoadedModel:
+               attn: str = "eager", allow_failed_toy: bool = False) -> LoadedModel:
     """Load a model spec (see module docstring). Raises :class:`KvprobeError` with the accepted forms.
 
     ``attn`` is the attention implementation: "eager" (default; probes read attention weights and
     every path computes identically) or "sdpa" (faster on long contexts, used by benchmarks).
+    A toy folder whose manifest records a held-out failure is refused unless ``allow_failed_toy``.
     """
     if attn not in ("eager", "sdpa"):
         raise KvprobeError(f"unknown attention implementation {attn!r}; accepted: eager, sdpa")
@@ -136,7 +130,7 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu", progress=
     if spec.startswith("toy-"):
         from kvprobe.models.toy import load_toy
 
-        model, tok, note = load_toy(spec, progress=progress)
+        model, tok, note = load_toy(spec, allow_failed=allow_failed_toy)
         return _finish(model, tok, spec, "toy", dtype, device, note)
     if spec in bundled.BUNDLED:
         b = bundled.BUNDLED[spec]
@@ -149,6 +143,11 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu", progress=
             raise KvprobeError(f"GGUF file not found: {path}")
         model, tok = _from_folder(path.parent, gguf_file=path.name, attn=attn)
         return _finish(model, tok, spec, "gguf", dtype, device)
+    if path.is_dir() and (path / "toy_manifest.json").exists():  # a toy made by `kvprobe toy train`
+        from kvprobe.models.toy import load_toy_folder
+
+        model, tok, note = load_toy_folder(path, allow_failed=allow_failed_toy)
+        return _finish(model, tok, spec, "toy", dtype, device, note)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise KvprobeError(f"{path} is not a Hugging Face model folder (no config.json)")

@@ -3,9 +3,10 @@
 ``toy-<family>`` is a 4-layer model (hidden 128, 4 query heads, 2 kv heads, head dim 32, the
 family's own RoPE, norms and soft-capping) over the word-level tokenizer, trained from scratch on
 raw-form prompts of the field-edit generator. Loss is on the answer token only: the logits at the
-last prompt token (the decision position) against the first token of the expected option. It
-is an ordinary Hugging Face folder in ``$KVPROBE_HOME/models/toy-<family>/`` with a training
-manifest (:data:`MANIFEST`) beside it, trained on first use and loaded from the cache after.
+last prompt token (the decision position) against the first token of the expected option. Each
+is an ordinary Hugging Face folder with a training manifest (:data:`MANIFEST`) beside it. The six
+toys ship inside the package (:data:`SHIPPED`, seed 0), so every machine loads the same weights;
+``kvprobe toy train`` reproduces one from its recipe into ``$KVPROBE_HOME/models/toy-<family>/``.
 
 Sliding windows: gemma2 alternates sliding and global layers (sliding, global, sliding, global);
 gemma3 slides on layers 0, 1 and 3 with one global layer 2 (local RoPE base 1e4, global 1e6);
@@ -35,10 +36,11 @@ decision value has one polarity in every domain (``gold`` always allows), so the
 value -> answer and need not read the rule line.
 
 Recipe (:class:`ToyTrain`): AdamW, lr 3e-3 (2e-3 for mistral and gemma2, see :data:`FAMILY_TRAIN`)
-with warm-up and cosine decay, 800 steps of 16 prompts,
-bfloat16 autocast for the matmuls (weights, optimiser and the saved model stay float32; eager
-attention), one torch thread. Batches are right-padded, so every prompt keeps positions 0..L-1 and
-the loss reads its last real token, exactly as an unpadded prefill would.
+with warm-up and cosine decay, 800 steps of 16 prompts, float32 throughout (eager attention), one
+torch thread. (bfloat16 autocast, used before, is emulated on CPUs without AVX-512 BF16, where a
+step took 3.5 s instead of 0.37 s, and it takes other kernels on other CPU types.) Batches are
+right-padded, so every prompt keeps positions 0..L-1 and the loss reads its last real token,
+exactly as an unpadded prefill would.
 
 Held-out evaluation (:func:`evaluate_toy`) draws fresh cases with another seed, up to 9 filler
 rules (1.5x the training maximum), and two synthetic unseen domains whose field names and values
@@ -52,6 +54,8 @@ import contextlib
 import hashlib
 import json
 import math
+import os
+import platform
 import random
 import shutil
 import tempfile
@@ -63,6 +67,7 @@ from typing import Any
 
 import torch
 import transformers
+from safetensors import SafetensorError
 
 from kvprobe.datasets import (
     CONTROL_FIELDS,
@@ -129,18 +134,13 @@ class ToyTrain:
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.98)
     grad_clip: float = 1.0
-    bf16_autocast: bool = True  # bfloat16 matmuls on CPU (weights and optimiser stay float32): ~1.7x faster
-    threads: int = 1  # fixed per family, so the weights do not depend on the machine's core count
+    bf16_autocast: bool = False  # bfloat16 matmuls: emulated (10x slower) on CPUs without AVX-512 BF16
+    threads: int = 1  # fixed, so the weights do not depend on the machine's core count
 
 
 # Where a family learns better with other settings: all-sliding mistral and soft-capped gemma2
 # are unsteady at lr 3e-3 (mistral's loss jumps early; both end far above the others).
-# The gemmas (eager attention, four norms a layer, soft-capping in gemma2) have the slowest steps:
-# on one thread gemma2 needed 178 s for 800 steps on a quiet 2-core machine and gemma3 154 s, near
-# the 3-minute budget; on two they take 112 and 118 s (gemma2 0.148 s a step against 0.192 s;
-# llama only 0.130 against 0.155, so the others stay on one thread).
-FAMILY_TRAIN: dict[str, dict[str, Any]] = {"mistral": {"lr": 2e-3}, "gemma2": {"lr": 2e-3, "threads": 2},
-                                          "gemma3": {"threads": 2}}
+FAMILY_TRAIN: dict[str, dict[str, Any]] = {"mistral": {"lr": 2e-3}, "gemma2": {"lr": 2e-3}}
 
 
 def toy_recipe(family: str) -> ToyTrain:
@@ -171,6 +171,7 @@ def toy_family(spec: str) -> str:
 
 
 def toy_dir(family: str) -> Path:
+    """Where ``kvprobe toy train`` saves a retrained toy by default (the shipped one is :func:`shipped_dir`)."""
     return models_dir() / f"toy-{toy_family(family)}"
 
 
@@ -363,8 +364,15 @@ METRICS = {
     "acc_long": "accuracy (old and new) with more fillers than in training",
     "acc_unseen": "accuracy (old and new), two unseen domains (chance ~0.5)",
 }
-THRESHOLDS = {"acc_old": 0.98, "acc_new": 0.98, "acc_erratum": 0.95, "acc_erratum_short": 0.95,
-              "inv_control_value": 0.98, "inv_control_added": 0.98, "inv_control_removed": 0.98}
+# What a toy is for, each on at least 95% of held-out prompts: deciding by the field, following an
+# erratum, ignoring control fields. A run probes only the cases a model gets right under both
+# values, so a toy's errors cost cases, never correctness; 0.95 leaves ~90% of cases valid. (The
+# earlier 0.98 sat within one or two prompts of the recipe's results, so a retrain on another CPU
+# type could fail it by chance: 0.967 on an Intel machine.) A recipe has room to spare when every
+# seed clears every threshold by MARGIN (6 of the 300 decision prompts); docs/toys.md has the seeds.
+THRESHOLDS = {"acc_old": 0.95, "acc_new": 0.95, "acc_erratum": 0.95, "acc_erratum_short": 0.95,
+              "inv_control_value": 0.95, "inv_control_added": 0.95, "inv_control_removed": 0.95}
+MARGIN = 0.02
 
 
 def evaluate_toy(model, tokenizer=None, *, seed: int = EVAL_SEED, n: int = 400, n_unseen: int = 100,
@@ -522,14 +530,16 @@ def _fit(model, ids: list[list[int]], targets: torch.Tensor, batches: list[list[
 
 
 def train_toy(family: str, *, seed: int = TOY_SEED, train: ToyTrain | None = None, data: ToyData = ToyData(),
-              arch: dict | None = None, save: bool = True, n_eval: int = 400,
+              arch: dict | None = None, save: bool = True, n_eval: int = 400, out: Path | None = None,
               on_step: Callable[[int, int, float], None] = lambda step, total, loss: None,
               progress: Callable[[str], None] = lambda s: None) -> ToyResult:
     """Train ``toy-<family>`` from scratch, evaluate it held out, and save it (atomically).
 
     Deterministic: the same seed and settings give bit-identical weights (on one torch build; the
-    thread count is part of the settings). ``arch`` shrinks the model for tests; ``n_eval=0``
-    skips the held-out evaluation. ``train`` defaults to the family's :func:`toy_recipe`.
+    thread count is part of the settings, and bfloat16 autocast takes other kernels on other CPU
+    types, so another CPU gives other weights). ``arch`` shrinks the model for tests; ``n_eval=0``
+    skips the held-out evaluation. ``train`` defaults to the family's :func:`toy_recipe`. Saved
+    to ``out`` (default :func:`toy_dir`).
     """
     family = toy_family(family)
     train = train or toy_recipe(family)
@@ -575,11 +585,23 @@ def train_toy(family: str, *, seed: int = TOY_SEED, train: ToyTrain | None = Non
         "heldout_failures": threshold_failures(metrics) if metrics else [],
         "weights_sha256": weights_sha256(model),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "machine": machine(),
     }
     result = ToyResult(model, tokenizer, manifest)
     if save:
-        result.folder, result.paths = save_toy(model, tokenizer, manifest, toy_dir(family))
+        result.folder, result.paths = save_toy(model, tokenizer, manifest, Path(out) if out else toy_dir(family))
     return result
+
+
+def machine() -> dict:
+    """The CPU a toy was trained on (bfloat16 autocast picks kernels by CPU type, so weights differ by it)."""
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {"cpu": cpu, "arch": platform.machine(), "cores": os.cpu_count()}
 
 
 def save_toy(model, tokenizer, manifest: dict, folder: Path) -> tuple[Path, list[Path]]:
@@ -605,56 +627,97 @@ def save_toy(model, tokenizer, manifest: dict, folder: Path) -> tuple[Path, list
 
 # -- loading -----------------------------------------------------------------------------------
 
+# The six toys ship inside the package (seed 0 of the recipe, trained once and checked here), so
+# ``toy-<family>`` loads the same weights on every machine. ``kvprobe toy train`` writes a retrained
+# toy to $KVPROBE_HOME/models/toy-<family>/ (or --out); load that one by its folder path.
+SHIPPED = Path(__file__).parent / "toys"
 
-def read_manifest(family: str) -> dict | None:
-    path = toy_dir(family) / MANIFEST
-    return json.loads(path.read_text()) if path.exists() else None
+
+def shipped_dir(family: str) -> Path:
+    """The folder of the shipped ``toy-<family>`` inside the package."""
+    return SHIPPED / f"toy-{toy_family(family)}"
 
 
-def _note(manifest: dict) -> str:
+def read_manifest(folder: Path) -> dict | None:
+    """A toy folder's manifest (None when it has none); a corrupt one is a :class:`KvprobeError`."""
+    path = Path(folder) / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise KvprobeError(f"{path} is not a readable toy manifest ({type(exc).__name__}); "
+                           f"retrain the toy with `kvprobe toy train --force`") from None
+    if not isinstance(manifest, dict) or not {"family", "weights_sha256"} <= set(manifest):
+        raise KvprobeError(f"{path} is not a toy manifest (it needs family and weights_sha256); "
+                           f"retrain the toy with `kvprobe toy train --force`")
+    return manifest
+
+
+def _note(manifest: dict, where: str) -> str:
     h = manifest.get("heldout", {})
     if "acc_old" not in h:
-        return "toy model trained here on the field-edit task"
+        return f"toy model {where} on the field-edit task"
     acc = min(h["acc_old"], h["acc_new"])
-    return f"toy model trained here on the field-edit task; held-out acc {acc:.2f}, erratum {h['acc_erratum']:.2f}"
+    return f"toy model {where} on the field-edit task; held-out acc {acc:.2f}, erratum {h['acc_erratum']:.2f}"
 
 
-def load_toy(spec: str, progress: Callable[[str], None] = lambda s: None):
-    """(model, tokenizer, note) for ``toy-<family>``: trained on first use, then loaded from the cache.
+def load_toy_folder(folder: Path | str, *, allow_failed: bool = False):
+    """(model, tokenizer, note) from a toy folder, checked against its manifest.
 
-    The weights are checked against the manifest's hash; a mismatch is refused.
+    Refused in one line: a folder without a readable manifest, weights whose hash differs from
+    the manifest's, and (unless ``allow_failed``) a toy whose manifest records a held-out failure.
     """
-    family = toy_family(spec)
-    folder = toy_dir(family)
-    if read_manifest(family) is None:
-        progress(f"training {spec} on the field-edit task (first use, ~1-3 min)")
-        train_toy(family, progress=progress)
-    manifest = read_manifest(family)
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise KvprobeError(f"{folder} has no {MANIFEST}; a toy folder is made by `kvprobe toy train`")
+    family = toy_family(manifest["family"])
+    failures = manifest.get("heldout_failures") or []
+    if failures and not allow_failed:
+        raise KvprobeError(f"{folder} failed its own held-out check ({'; '.join(failures)}); retrain it with "
+                           f"`kvprobe toy train --family {family} --seed N --force`, use the shipped toy-{family}, "
+                           f"or pass --allow-failed-toy to use it anyway")
     cls = getattr(transformers, families()[family].causal_lm_class)
-    model = cls.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
-    # Not AutoTokenizer: for model type qwen2 it swaps in Qwen2Tokenizer, whose own pre-tokenizer
-    # splits words differently from the word-level tokenizer the toy was trained with.
-    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
+    try:
+        model = cls.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+        # Not AutoTokenizer: for model type qwen2 it swaps in Qwen2Tokenizer, whose own pre-tokenizer
+        # splits words differently from the word-level tokenizer the toy was trained with.
+        tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise KvprobeError(f"{folder} does not load as a toy model ({first}); "
+                           f"retrain it with `kvprobe toy train --family {family} --force`") from None
     if weights_sha256(model) != manifest["weights_sha256"]:
         raise KvprobeError(f"{folder} does not match its {MANIFEST} (weights hash differs); "
                            f"retrain it with `kvprobe toy train --family {family} --force`")
-    return model, tokenizer, _note(manifest)
+    where = "shipped with kvprobe, trained" if folder.resolve().parent == SHIPPED.resolve() else "trained"
+    return model, tokenizer, _note(manifest, where) + (f"; FAILED {'; '.join(failures)}" if failures else "")
 
 
-def _params(family: str) -> int:
-    tok_len = len(word_tokenizer())
-    with torch.device("meta"):
-        model = getattr(transformers, families()[family].causal_lm_class)(toy_config(family, tok_len))
-    return sum(p.numel() for p in model.parameters())
+def load_toy(spec: str, *, allow_failed: bool = False):
+    """(model, tokenizer, note) for the shipped ``toy-<family>``, checked against its manifest."""
+    folder = shipped_dir(spec)
+    if not (folder / MANIFEST).exists():
+        raise KvprobeError(f"the shipped {spec} is missing from the package ({folder}); reinstall kvprobe, or "
+                           f"train one with `kvprobe toy train --family {toy_family(spec)}` and pass its folder")
+    return load_toy_folder(folder, allow_failed=allow_failed)
+
+
+def compare_heldout(retrained: dict, shipped: dict) -> list[tuple[str, float, float, float]]:
+    """Rows (metric, retrained, shipped, difference) over :data:`METRICS` present in both."""
+    return [(k, retrained[k], shipped[k], retrained[k] - shipped[k]) for k in METRICS
+            if k in retrained and k in shipped]
 
 
 def toy_rows() -> list[tuple[str, ...]]:
     """Rows (name, family, params, download, cached, notes) for ``kvprobe models``."""
     rows = []
     for family in toy_families():
-        manifest = read_manifest(family)
-        n = manifest["n_params"] if manifest else _params(family)
-        cached = "yes" if manifest else "no (trains on first use, ~1-3 min)"
-        notes = _note(manifest) if manifest else "toy model, trained here on the field-edit task"
-        rows.append((f"toy-{family}", family, f"{n / 1e6:.1f}M", "-", cached, notes))
+        manifest = read_manifest(shipped_dir(family))
+        if manifest is None:
+            rows.append((f"toy-{family}", family, "-", "-", "missing", "the shipped toy is missing; reinstall kvprobe"))
+            continue
+        rows.append((f"toy-{family}", family, f"{manifest['n_params'] / 1e6:.1f}M", "-", "shipped",
+                     _note(manifest, "shipped with kvprobe, trained")))
     return rows
