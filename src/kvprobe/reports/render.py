@@ -16,7 +16,7 @@ from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescap
 
 from kvprobe.errors import KvprobeError
 from kvprobe.reports.load import Run, load_runs
-from kvprobe.reports.sections import in_order
+from kvprobe.reports.sections import SECTIONS, in_order
 from kvprobe.reports.sections.common import fmt
 from kvprobe.reports.stats import MAX_CI_WIDTH, MIN_N, RULE
 from kvprobe.reports.tokens import TOKENS
@@ -50,7 +50,7 @@ def render_html(results_dirs) -> str:
     dirs = [Path(d) for d in results_dirs]
     if not dirs:
         raise KvprobeError("give at least one results folder")
-    runs = load_runs(dirs)
+    runs = load_runs(dirs, tables=tuple(name for sec in SECTIONS.values() for name in sec.tables))
     return _env().get_template(TEMPLATE).render(**build(runs))
 
 

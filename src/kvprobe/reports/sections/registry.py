@@ -16,7 +16,8 @@ class Section:
     ``title`` is shown after the section's number (its place in ``order`` among all registered
     sections); ``needs`` names what a folder lacks when ``build(run)`` returns None ("Not in this folder
     (no ...)"); ``build`` returns the context its ``template`` (a path under ``templates/``) draws from
-    as ``d``.
+    as ``d``; ``tables`` are parquet files it reads that :mod:`kvprobe.reports.load` does not load
+    already, so a section with a new table needs no edit elsewhere.
     """
 
     id: str
@@ -26,6 +27,7 @@ class Section:
     order: float
     build: Callable[[Run], dict | None]
     template: str
+    tables: tuple[str, ...] = ()
 
 
 SECTIONS: dict[str, Section] = {}
