@@ -172,7 +172,7 @@ def test_cot_side_by_side(variant):
 
 
 def test_cot_budgets_are_summarised_over_the_same_cases(variant):
-    from kvprobe.reports.sections import build_edits
+    from kvprobe.reports.sections.edits import build_edits
     from kvprobe.reports.load import load_run
 
     folder = variant()

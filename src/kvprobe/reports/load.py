@@ -69,12 +69,13 @@ def _json(path: Path) -> dict:
         raise KvprobeError(f"{path} is not valid JSON: {exc}") from None
 
 
-def load_run(folder: Path | str) -> Run:
-    """Load every known file of a results folder; refuses a folder with none of them."""
+def load_run(folder: Path | str, tables: tuple[str, ...] = ()) -> Run:
+    """Load every known file of a results folder, and the parquet ``tables`` some report section reads
+    besides :data:`TABLES`; refuses a folder with none of them."""
     folder = Path(folder)
     if not folder.is_dir():
         raise KvprobeError(f"results folder not found: {folder}")
-    present = [name for name in KNOWN if (folder / name).exists()]
+    present = [name for name in KNOWN + tables if (folder / name).exists()]
     if not present:
         raise KvprobeError(f"{folder} is not a kvprobe results folder (none of {MANIFEST}, {COMPOSE}, ... found); "
                            f"run `kvprobe run`, `kvprobe validate` or `kvprobe serve-bench` first")
@@ -93,7 +94,7 @@ def load_run(folder: Path | str) -> Run:
             run.topk = yaml.safe_load(run.topk_text) or {}
         except yaml.YAMLError:
             run.topk = {}
-    for name in TABLES:
+    for name in dict.fromkeys(TABLES + tables):
         if (folder / name).exists():
             run.tables[name] = pd.read_parquet(folder / name)
     run.label = _label(run)
@@ -114,9 +115,10 @@ def _label(run: Run) -> str:
     return str(spec or run.folder.name)
 
 
-def load_runs(folders) -> list[Run]:
-    """Load several folders; labels made unique (the folder name is appended to repeats)."""
-    runs = [load_run(f) for f in folders]
+def load_runs(folders, tables: tuple[str, ...] = ()) -> list[Run]:
+    """Load several folders (and ``tables``, as :func:`load_run`); labels made unique (the folder name is
+    appended to repeats)."""
+    runs = [load_run(f, tables) for f in folders]
     seen: dict[str, int] = {}
     for r in runs:
         seen[r.label] = seen.get(r.label, 0) + 1
