@@ -25,18 +25,18 @@ COLUMNS = ["acc_old", "acc_new", "acc_erratum", "acc_erratum_short", "inv_contro
 
 
 def train_one(family: str, seed: int, out: str, save: bool) -> str:
-    from kvprobe.models import toy
+    from kvprobe.toys.train import save_toy, train_toy
 
-    result = toy.train_toy(family, seed=seed, save=False)
+    result = train_toy(family, seed=seed, save=False)
     if save:
-        toy.save_toy(result.model, result.tokenizer, result.manifest, Path(out) / f"toy-{family}")
+        save_toy(result.model, result.tokenizer, result.manifest, Path(out) / f"toy-{family}")
     path = Path(out) / f"{family}-s{seed}.json"
     path.write_text(json.dumps(result.manifest, indent=2))
     return str(path)
 
 
 def table(out: Path, families: list[str], seeds: list[int]) -> str:
-    from kvprobe.models.toy import THRESHOLDS, threshold_failures
+    from kvprobe.toys.evaluate import THRESHOLDS, threshold_failures
 
     head = ["toy", "seed", *COLUMNS, "min margin", "train s", "failures"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -83,20 +83,21 @@ def ship(folder: Path) -> Path:
     """Copy a saved toy folder into the package, failures judged by today's thresholds."""
     import shutil
 
-    from kvprobe.models import toy
+    from kvprobe.models import toy_folder
+    from kvprobe.toys.evaluate import threshold_failures
 
-    manifest = toy.read_manifest(folder)
-    manifest["heldout_failures"] = toy.threshold_failures(manifest["heldout"])
+    manifest = toy_folder.read_manifest(folder)
+    manifest["heldout_failures"] = threshold_failures(manifest["heldout"])
     if manifest["heldout_failures"]:
         raise SystemExit(f"{folder} fails {manifest['heldout_failures']}: not shipped")
-    dest = toy.shipped_dir(manifest["family"])
+    dest = toy_folder.shipped_dir(manifest["family"])
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
     for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                  "tokenizer_config.json"):
         if (folder / name).exists():
             shutil.copyfile(folder / name, dest / name)
-    (dest / toy.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    (dest / toy_folder.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return dest
 
 

@@ -17,12 +17,15 @@ import torch
 
 from kvprobe.datasets import generate, render_prompt
 from kvprobe.errors import KvprobeError
-from kvprobe.models import toy
+from kvprobe.models import fingerprint, toy_folder
 from kvprobe.models.adapter import Adapter
+from kvprobe.toys import data as toy_data
+from kvprobe.toys import evaluate as toy_eval
+from kvprobe.toys import train as toy_train
 
 SMALL_ARCH = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 8}
-SMALL_TRAIN = toy.ToyTrain(steps=4, batch_size=8, warmup=2)
+SMALL_TRAIN = toy_train.ToyTrain(steps=4, batch_size=8, warmup=2)
 FAMILIES = ["gemma2", "gemma3", "llama", "mistral", "qwen2", "qwen3"]
 
 
@@ -41,14 +44,14 @@ def home(tmp_path, monkeypatch):
     return tmp_path / "kvprobe"
 
 
-def small(family: str, seed: int = 0, save: bool = True, n_eval: int = 0) -> toy.ToyResult:
-    return toy.train_toy(family, seed=seed, train=SMALL_TRAIN, arch=SMALL_ARCH, save=save, n_eval=n_eval)
+def small(family: str, seed: int = 0, save: bool = True, n_eval: int = 0) -> toy_train.ToyResult:
+    return toy_train.train_toy(family, seed=seed, train=SMALL_TRAIN, arch=SMALL_ARCH, save=save, n_eval=n_eval)
 
 
 def test_families_and_unknown_family():
-    assert toy.toy_families() == FAMILIES
+    assert toy_folder.toy_families() == FAMILIES
     with pytest.raises(KvprobeError, match="toy-gemma2, toy-gemma3, toy-llama, toy-mistral, toy-qwen2, toy-qwen3"):
-        toy.toy_family("toy-gpt2")
+        toy_folder.toy_family("toy-gpt2")
 
 
 def test_same_seed_same_weights(home):
@@ -58,7 +61,7 @@ def test_same_seed_same_weights(home):
 
 
 def test_training_prompts_are_deterministic_and_mixed():
-    a, b = toy.training_examples(400, seed=3), toy.training_examples(400, seed=3)
+    a, b = toy_data.training_examples(400, seed=3), toy_data.training_examples(400, seed=3)
     assert a == b
     kinds = {e.kind for e in a}
     assert {"decision", "erratum", "control"} <= kinds
@@ -71,9 +74,9 @@ def test_training_prompts_are_deterministic_and_mixed():
 def test_folder_round_trip(home, family):
     result = small(family)
     assert result.folder == home / "models" / f"toy-{family}"
-    assert {"config.json", "model.safetensors", "tokenizer.json", toy.MANIFEST} <= {p.name for p in result.paths}
+    assert {"config.json", "model.safetensors", "tokenizer.json", toy_folder.MANIFEST} <= {p.name for p in result.paths}
     assert not [p for p in result.folder.parent.iterdir() if p.name.startswith(".")]  # no temp folders left
-    model, tokenizer, note = toy.load_toy_folder(result.folder)
+    model, tokenizer, note = toy_folder.load_toy_folder(result.folder)
     assert note.startswith("toy model trained on the field-edit task")
     loaded, trained = Adapter.for_config(model.config), Adapter.for_config(result.model.config)
     assert loaded.window == trained.window and loaded.sliding_layers() == trained.sliding_layers()
@@ -90,10 +93,10 @@ def test_folder_round_trip(home, family):
 
 def test_right_padded_batch_matches_unpadded_prefill(home):
     result = small("gemma3", save=False)
-    texts = [e.text for e in toy.training_examples(3, seed=9)]
+    texts = [e.text for e in toy_data.training_examples(3, seed=9)]
     ids = result.tokenizer(texts, add_special_tokens=False)["input_ids"]
     with torch.no_grad():
-        batched = toy.decision_logits(result.model, ids)
+        batched = toy_eval.decision_logits(result.model, ids)
         for i, x in enumerate(ids):
             alone = result.model(torch.tensor([x])).logits[0, -1]
             torch.testing.assert_close(batched[i], alone, rtol=1e-4, atol=1e-5)
@@ -103,44 +106,44 @@ def test_manifest_and_load_model(home):
     from kvprobe.models import load_model
 
     result = small("mistral", seed=2, n_eval=16)
-    manifest = json.loads((result.folder / toy.MANIFEST).read_text())
+    manifest = json.loads((result.folder / toy_folder.MANIFEST).read_text())
     for key in ("seed", "data", "train", "arch", "train_wall_s", "heldout", "weights_sha256", "loss_curve"):
         assert key in manifest
     assert manifest["seed"] == 2 and manifest["train"]["steps"] == SMALL_TRAIN.steps
-    assert manifest["data"]["fillers"] == list(toy.ToyData().fillers)
-    assert set(toy.METRICS) <= set(manifest["heldout"])
+    assert manifest["data"]["fillers"] == list(toy_data.ToyData().fillers)
+    assert set(toy_eval.METRICS) <= set(manifest["heldout"])
     assert manifest["machine"]["cpu"] and manifest["machine"]["cores"] >= 1
     lm = load_model(str(result.folder), allow_failed_toy=True)  # 4 steps: it fails its check
     assert lm.info.source == "toy" and lm.info.family == "mistral"
     assert manifest["weights_sha256"].startswith(lm.weights_hash())
-    assert lm.adapter.window == toy.WINDOW and all(lm.adapter.sliding_layers())
+    assert lm.adapter.window == toy_folder.toy_arch("mistral")["sliding_window"] and all(lm.adapter.sliding_layers())
 
 
 def test_corrupt_weights_are_refused(home):
     result = small("llama")
-    manifest = json.loads((result.folder / toy.MANIFEST).read_text())
+    manifest = json.loads((result.folder / toy_folder.MANIFEST).read_text())
     manifest["weights_sha256"] = "0" * 64
-    (result.folder / toy.MANIFEST).write_text(json.dumps(manifest))
+    (result.folder / toy_folder.MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(KvprobeError, match="--force"):
-        toy.load_toy_folder(result.folder)
+        toy_folder.load_toy_folder(result.folder)
 
 
 @pytest.mark.parametrize("damage", ["manifest", "weights"])
 def test_corrupt_toy_files_are_one_line_errors(home, damage):
     result = small("qwen3")
     if damage == "manifest":
-        (result.folder / toy.MANIFEST).write_text("{not json")
+        (result.folder / toy_folder.MANIFEST).write_text("{not json")
     else:
         weights = result.folder / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(KvprobeError, match="retrain"):
-        toy.load_toy_folder(result.folder)
+        toy_folder.load_toy_folder(result.folder)
 
 
 def failed_toy(folder, failures=("acc_new 0.967 < 0.98",)):
-    manifest = json.loads((folder / toy.MANIFEST).read_text())
+    manifest = json.loads((folder / toy_folder.MANIFEST).read_text())
     manifest["heldout_failures"] = list(failures)
-    (folder / toy.MANIFEST).write_text(json.dumps(manifest))
+    (folder / toy_folder.MANIFEST).write_text(json.dumps(manifest))
     return folder
 
 
@@ -173,23 +176,23 @@ def test_kvprobe_run_refuses_a_toy_that_failed_its_check(home, tmp_path):
 
 def test_the_shipped_toys_are_all_there_and_checked():
     for family in FAMILIES:
-        manifest = toy.read_manifest(toy.shipped_dir(family))
-        assert manifest["family"] == family and manifest["seed"] == toy.TOY_SEED
-        assert manifest["heldout_failures"] == [] and toy.threshold_failures(manifest["heldout"]) == []
+        manifest = toy_folder.read_manifest(toy_folder.shipped_dir(family))
+        assert manifest["family"] == family and manifest["seed"] == toy_folder.TOY_SEED
+        assert manifest["heldout_failures"] == [] and toy_eval.threshold_failures(manifest["heldout"]) == []
         as_json = lambda obj: json.loads(json.dumps(dataclasses.asdict(obj)))  # noqa: E731
-        assert manifest["train"] == as_json(toy.toy_recipe(family))  # shipped = today's recipe
-        assert manifest["data"] == as_json(toy.ToyData())
+        assert manifest["train"] == as_json(toy_train.toy_recipe(family))  # shipped = today's recipe
+        assert manifest["data"] == as_json(toy_data.ToyData())
 
 
 def test_evaluation_returns_every_metric(home):
     result = small("qwen2", save=False)
-    metrics = toy.evaluate_toy(result.model, result.tokenizer, n=24, n_unseen=8)
-    assert set(toy.METRICS) <= set(metrics)
-    assert all(0.0 <= metrics[k] <= 1.0 for k in toy.METRICS if k != "acc_long")
+    metrics = toy_eval.evaluate_toy(result.model, result.tokenizer, n=24, n_unseen=8)
+    assert set(toy_eval.METRICS) <= set(metrics)
+    assert all(0.0 <= metrics[k] <= 1.0 for k in toy_eval.METRICS if k != "acc_long")
     assert metrics["n_long"] == 0 or 0.0 <= metrics["acc_long"] <= 1.0
     assert metrics["n_decision"] == 18 and metrics["n_control"] == 6 and metrics["n_unseen"] == 8
     assert metrics["n_added"] > 0 and metrics["n_removed"] > 0
-    assert isinstance(toy.threshold_failures(metrics), list)
+    assert isinstance(toy_eval.threshold_failures(metrics), list)
 
 
 def test_unseen_domains_use_known_words_only():
@@ -198,14 +201,14 @@ def test_unseen_domains_use_known_words_only():
 
     tok = word_tokenizer()
     seen = {v for d in DOMAINS.values() for f in d.fields for v in (f.name, *f.allow, *f.deny)}
-    for case in toy.unseen_cases(8, seed=1, fillers=(0, 9)):
+    for case in toy_data.unseen_cases(8, seed=1, fillers=(0, 9)):
         text = render_prompt(case, None, case.new_value, "raw")
         assert tok.unk_token_id not in tok(text, add_special_tokens=False)["input_ids"]
         assert case.field not in seen and case.old_value not in seen and case.new_value not in seen
 
 
 def test_toy_rows(home):
-    rows = toy.toy_rows()
+    rows = toy_folder.toy_rows()
     assert [r[0] for r in rows] == [f"toy-{f}" for f in FAMILIES]
     assert all(len(r) == 6 and r[3] == "-" and r[4] == "shipped" and r[2] == "0.8M" for r in rows)
 
@@ -215,12 +218,12 @@ def test_cli_train_and_eval(home, monkeypatch):
 
     from kvprobe.cli.app import app
 
-    monkeypatch.setattr(toy, "train_toy", functools.partial(toy.train_toy, arch=SMALL_ARCH, n_eval=16))
+    monkeypatch.setattr(toy_train, "train_toy", functools.partial(toy_train.train_toy, arch=SMALL_ARCH, n_eval=16))
     runner = CliRunner()
     folder = home / "models" / "toy-llama"
     out = runner.invoke(app, ["toy", "train", "--family", "llama", "--steps", "2"])
     assert out.exit_code == 0, out.output
-    assert "acc_erratum" in out.output and (folder / toy.MANIFEST).exists()
+    assert "acc_erratum" in out.output and (folder / toy_folder.MANIFEST).exists()
     assert "retrained against shipped" in out.output and "weights different from the shipped toy's" in out.output
     assert f"use it with --model {folder}" in out.output.replace("\n", "")
     out = runner.invoke(app, ["toy", "train", "--family", "llama"])
@@ -247,10 +250,25 @@ def test_shipped_toy_is_what_its_manifest_says(family):
     from kvprobe.models import load_model
 
     lm = load_model(f"toy-{family}")
-    manifest = toy.read_manifest(toy.shipped_dir(family))
-    assert toy.weights_sha256(lm.model) == manifest["weights_sha256"]
+    manifest = toy_folder.read_manifest(toy_folder.shipped_dir(family))
+    assert fingerprint.weights_sha256(lm.model) == manifest["weights_sha256"]
     assert lm.info.source == "toy" and "shipped with kvprobe" in lm.info.note
     h = manifest["heldout"]
-    metrics = toy.evaluate_toy(lm, n=h["n"], n_unseen=max(20, h["n"] // 4), fillers=tuple(h["fillers"]))
-    assert toy.threshold_failures(metrics) == [], metrics
-    assert {k: metrics[k] for k in toy.METRICS} == pytest.approx({k: h[k] for k in toy.METRICS}, abs=0.01)
+    metrics = toy_eval.evaluate_toy(lm, n=h["n"], n_unseen=max(20, h["n"] // 4), fillers=tuple(h["fillers"]))
+    assert toy_eval.threshold_failures(metrics) == [], metrics
+    assert {k: metrics[k] for k in toy_eval.METRICS} == pytest.approx({k: h[k] for k in toy_eval.METRICS}, abs=0.01)
+
+
+@pytest.mark.slow
+def test_retraining_toy_qwen2_from_its_recipe(tmp_path):
+    """`kvprobe toy train`'s path for toy-qwen2 (seed 0, the full recipe; about 4 minutes). On a CPU
+    with the shipped toy's name and instruction sets the weights come out bit-identical. Elsewhere
+    torch picks other kernels and the weights differ, and a retrain behaves like another seed: it
+    must still do what the toy is for, every threshold met (docs/toys.md has three seeds per family)."""
+    result = toy_train.train_toy("qwen2", out=tmp_path / "toy-qwen2")
+    shipped = toy_folder.read_manifest(toy_folder.shipped_dir("qwen2"))
+    assert result.manifest["heldout_failures"] == [], result.manifest["heldout"]
+    if result.manifest["machine"] == shipped["machine"]:
+        assert result.manifest["weights_sha256"] == shipped["weights_sha256"]
+        got, want = result.manifest["heldout"], shipped["heldout"]
+        assert {k: got[k] for k in toy_eval.METRICS} == pytest.approx({k: want[k] for k in toy_eval.METRICS}, abs=0.01)

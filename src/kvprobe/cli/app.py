@@ -68,10 +68,8 @@ def models_list(ctx: typer.Context) -> None:
 
 
 def _toy_rows() -> list[tuple[str, ...]]:
-    try:
-        from kvprobe.models.toy import toy_rows
-    except ImportError:
-        return []
+    from kvprobe.models.toy_folder import toy_rows
+
     return toy_rows()
 
 

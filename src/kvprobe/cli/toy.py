@@ -17,7 +17,7 @@ FAMILY_HELP = "llama, qwen2, qwen3, gemma2, gemma3 or mistral"
 
 def metrics_table(title: str, metrics: dict) -> Table:
     """The held-out figures, one row each, with the threshold each must meet."""
-    from kvprobe.models.toy import METRICS, THRESHOLDS
+    from kvprobe.toys.evaluate import METRICS, THRESHOLDS
 
     table = Table(title=title)
     for col in ("metric", "value", "threshold", "what"):
@@ -33,7 +33,7 @@ def metrics_table(title: str, metrics: dict) -> Table:
 
 def comparison_table(title: str, retrained: dict, shipped: dict) -> Table:
     """A retrained toy's held-out figures beside the shipped toy's."""
-    from kvprobe.models.toy import compare_heldout
+    from kvprobe.toys.evaluate import compare_heldout
 
     table = Table(title=title)
     for col in ("metric", "retrained", "shipped", "difference"):
@@ -55,17 +55,18 @@ def train(family: str = typer.Option(..., help=FAMILY_HELP),
     """
     import dataclasses
 
-    from kvprobe.models import toy
+    from kvprobe.models import toy_folder
+    from kvprobe.toys import train as toy_train
 
-    family = toy.toy_family(family)
-    folder = out or toy.toy_dir(family)
-    manifest = toy.read_manifest(folder)
+    family = toy_folder.toy_family(family)
+    folder = out or toy_folder.toy_dir(family)
+    manifest = toy_folder.read_manifest(folder)
     if manifest is not None and not force:
         console.print(f"{folder} already holds toy-{manifest['family']} (seed {manifest['seed']}, "
                       f"{manifest['train']['steps']} steps); --force retrains it")
         console.print(metrics_table(f"{folder}: held-out", manifest["heldout"]))
         return
-    recipe = toy.toy_recipe(family)
+    recipe = toy_train.toy_recipe(family)
     if steps is not None:
         recipe = dataclasses.replace(recipe, steps=steps)
     say(f"toy-{family}", f"training {recipe.steps} steps of {recipe.batch_size} prompts on {recipe.threads} "
@@ -78,13 +79,13 @@ def train(family: str = typer.Option(..., help=FAMILY_HELP),
             if not err_console.is_terminal and (step % 200 == 0 or step == total):
                 say(f"toy-{family}", f"step {step}/{total}, loss {loss:.3f}")
 
-        result = toy.train_toy(family, seed=toy.TOY_SEED if seed is None else seed, train=recipe, on_step=on_step,
+        result = toy_train.train_toy(family, seed=toy_folder.TOY_SEED if seed is None else seed, train=recipe, on_step=on_step,
                                out=folder, progress=lambda msg: say(f"toy-{family}", msg))
     m = result.manifest
     console.print(f"toy-{family} saved to {result.folder} ({m['train_wall_s']} s training, "
                   f"{m['eval_wall_s']} s evaluation, weights {m['weights_sha256'][:16]})")
     console.print(metrics_table(f"toy-{family}: held-out", m["heldout"]))
-    shipped = toy.read_manifest(toy.shipped_dir(family))
+    shipped = toy_folder.read_manifest(toy_folder.shipped_dir(family))
     if shipped is not None and m["heldout"].get("acc_old") is not None:
         console.print(comparison_table(f"toy-{family}: retrained against shipped", m["heldout"], shipped["heldout"]))
         same = "identical to" if m["weights_sha256"] == shipped["weights_sha256"] else "different from"
@@ -104,13 +105,14 @@ def evaluate(family: str = typer.Option(None, help=FAMILY_HELP + " (the shipped 
              allow_failed_toy: bool = typer.Option(False, "--allow-failed-toy", help=ALLOW_FAILED_TOY_HELP)) -> None:
     """Evaluate a toy (the shipped toy-<family>, or --folder) on fresh held-out cases."""
     from kvprobe.errors import KvprobeError
-    from kvprobe.models import toy
+    from kvprobe.models.toy_folder import toy_family
+    from kvprobe.toys.evaluate import EVAL_SEED, evaluate_toy
 
     if (family is None) == (folder is None):
         raise KvprobeError("give exactly one of --family (the shipped toy) and --folder (a retrained toy)")
-    spec = f"toy-{toy.toy_family(family)}" if family else str(folder)
+    spec = f"toy-{toy_family(family)}" if family else str(folder)
     lm = load_with_status(spec, allow_failed_toy=allow_failed_toy)
-    seed = toy.EVAL_SEED if seed is None else seed
+    seed = EVAL_SEED if seed is None else seed
     with err_console.status(f"evaluating {spec} on {n} held-out cases"):
-        metrics = toy.evaluate_toy(lm, seed=seed, n=n, n_unseen=max(20, n // 4))
+        metrics = evaluate_toy(lm, seed=seed, n=n, n_unseen=max(20, n // 4))
     console.print(metrics_table(f"{spec}: held-out (seed {seed})", metrics))

@@ -31,7 +31,7 @@ def _answer(spec: DecisionField, value: str) -> str:
     return OPTIONS[0] if value in spec.allow else OPTIONS[1]
 
 
-def _draw(
+def draw_case(
     rng: random.Random,
     spec: DomainSpec,
     *,
@@ -161,7 +161,7 @@ def generate(
     cases = []
     for i, (name, control) in enumerate(slots):
         spec = DOMAINS[name]
-        case = _draw(
+        case = draw_case(
             rng, spec, case_id=f"{name}-s{seed}-{i:04d}", control=control, allow_first=allow_first[i],
             decision=decision[spec.name] or spec.fields, control_fields=control_fields, cot=cot, **common,
         )  # fmt: skip
@@ -177,7 +177,7 @@ def _demos(rng: random.Random, domain: str, k: int, common: dict) -> list[Demo]:
     demos = []
     for j in range(k):
         spec = DOMAINS[rng.choice(others)]
-        case = _draw(
+        case = draw_case(
             rng, spec, case_id="demo", control=False, allow_first=j % 2 == 0, decision=spec.fields,
             control_fields=list(CONTROL_FIELDS), cot=False, **{**common, "system": False},
         )  # fmt: skip

@@ -48,6 +48,7 @@ class Family:
     rope: dict
     sliding: dict | None
     tiny: dict
+    toy: dict | None = None  # the toy model's config overrides (absent: no toy for this family)
 
 
 @functools.cache

@@ -17,6 +17,7 @@ import torch
 from kvprobe.errors import KvprobeError
 from kvprobe.models import bundled
 from kvprobe.models.adapter import Adapter
+from kvprobe.models.fingerprint import weights_sha256
 from kvprobe.models.tiny import build_tiny, tiny_names
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,11 +65,7 @@ class LoadedModel:
     def weights_hash(self) -> str:
         """sha256 over every parameter's name, shape, dtype and bytes (memoised)."""
         if self.info._weights_hash is None:
-            h = hashlib.sha256()
-            for name, p in sorted(self.model.state_dict().items()):
-                h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
-                h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-            self.info._weights_hash = h.hexdigest()[:16]
+            self.info._weights_hash = weights_sha256(self.model)[:16]
         return self.info._weights_hash
 
     def fingerprint(self) -> dict:
@@ -128,7 +125,7 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu", progress=
         model, tok = build_tiny(spec)
         return _finish(model, tok, spec, "tiny", dtype, device, "random weights: for mechanics only")
     if spec.startswith("toy-"):
-        from kvprobe.models.toy import load_toy
+        from kvprobe.models.toy_folder import load_toy
 
         model, tok, note = load_toy(spec, allow_failed=allow_failed_toy)
         return _finish(model, tok, spec, "toy", dtype, device, note)
@@ -144,7 +141,7 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu", progress=
         model, tok = _from_folder(path.parent, gguf_file=path.name, attn=attn)
         return _finish(model, tok, spec, "gguf", dtype, device)
     if path.is_dir() and (path / "toy_manifest.json").exists():  # a toy made by `kvprobe toy train`
-        from kvprobe.models.toy import load_toy_folder
+        from kvprobe.models.toy_folder import load_toy_folder
 
         model, tok, note = load_toy_folder(path, allow_failed=allow_failed_toy)
         return _finish(model, tok, spec, "toy", dtype, device, note)
