@@ -33,13 +33,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from kvprobe.datasets import SHORT_ERRATUM, AlignedCase, Skip, align, erratum_text, render_prompt
-from kvprobe.datasets.generate import ERRATUM
+from kvprobe.datasets import ERRATUM_TEMPLATES, AlignedCase, Skip, align, erratum_text, render_prompt
 from kvprobe.datasets.spans import prompt_ids
 from kvprobe.errors import KvprobeError
 from kvprobe.kv import cache as C
 
-ERRATUM_TEMPLATES = {"paper": ERRATUM, "short": SHORT_ERRATUM}
 RANKINGS = ("causal", "random", "attention", "recency", "aggregators")
 STRATEGY_NAMES = ("stale", "field_only", "selective", "cacheblend", "erratum", "field_erratum", "hoist", "oracle")
 COT_CUE = "\nAnswer:"
