@@ -1,4 +1,4 @@
-"""Edit strategies as typed, registered classes: the spec grammar and the labels."""
+"""Edit strategies as typed, registered classes: the spec grammar, labels, and the run's erratum template."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvprobe.datasets import ERRATUM, align, generate
+from kvprobe.datasets import ERRATUM, SHORT_ERRATUM, align, generate
 from kvprobe.errors import KvprobeError
 from kvprobe.kv import cache
 from kvprobe.kv import edit as E
@@ -98,3 +98,25 @@ def test_a_new_strategy_is_one_class():
     with pytest.raises(KvprobeError):
         E.parse_strategy("drop_tail:3")
 
+
+def test_the_runs_erratum_template_reaches_the_editor():
+    """``erratum_template`` fills the template of an erratum given without one; the default keeps the labels."""
+    from kvprobe.pipeline import RunConfig
+
+    lm, a = aligned_case()
+    ctx = E.make_context(lm, a)
+    strategies = ["stale", "erratum", "field_erratum", "erratum:paper", "oracle"]
+    default = RunConfig(model="tiny-llama", strategies=strategies).edit_strategies()
+    assert [s.label for s in default] == ["stale", "erratum", "field_erratum", "erratum", "oracle"]
+    short = RunConfig(model="tiny-llama", strategies=strategies, erratum_template="short")
+    assert short.erratum_template == SHORT_ERRATUM  # the literal, which topk.yaml hands to serving
+    assert [s.label for s in short.edit_strategies()] == ["stale", "erratum:short", "field_erratum:short", "erratum",
+                                                          "oracle"]
+    paper_tail = E.apply(ctx, default[1]).tail_ids
+    short_tail = E.apply(ctx, short.edit_strategies()[1]).tail_ids
+    assert short_tail != paper_tail and short_tail == E.apply(ctx, "erratum:short").tail_ids
+    assert "just changed" in lm.tokenizer.decode(paper_tail) and "just changed" not in lm.tokenizer.decode(short_tail)
+    literal = RunConfig(model="tiny-llama", strategies=["erratum"], erratum_template="{field} overrides {value}")
+    (erratum,) = literal.edit_strategies()
+    assert erratum == E.Erratum("{field} overrides {value}")
+    assert E.apply(ctx, erratum).tail_ids not in (paper_tail, short_tail)

@@ -83,7 +83,8 @@ def _print_headline(out: Path, cfg) -> None:
 
     if (out / EDITS).exists():
         df = pd.read_parquet(out / EDITS)
-        print_summary(df[df.strategy.isin(cfg.strategies)], False, str(out), cfg.min_flip)
+        labels = [s.label for s in cfg.edit_strategies()]
+        print_summary(df[df.strategy.isin(labels)], False, str(out), cfg.min_flip)
     topk = out / "topk.yaml"
     if topk.exists():
         import yaml
