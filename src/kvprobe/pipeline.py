@@ -27,10 +27,10 @@ import pandas as pd
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvprobe.datasets import ERRATUM, Skip, align, resolve_dataset
+from kvprobe.datasets import ERRATUM, ERRATUM_TEMPLATES, Skip, align, resolve_dataset
 from kvprobe.editing import DEFAULT_STRATEGIES, edit_case
 from kvprobe.errors import KvprobeError
-from kvprobe.kv.edit import RANKINGS, parse_strategy
+from kvprobe.kv.edit import RANKINGS, Strategy, parse_strategy
 from kvprobe.results import (ATTENTION, COMPOSE, CONCENTRATION, EDITS, KNOCKOUT, LINEAR, LOCALITY, MANIFEST,
                              RANKING_RULE, TOKENS, VALIDITY, CaseStore, atomic_write_json, atomic_write_parquet,
                              claim_folder)
@@ -59,7 +59,7 @@ class RunConfig(BaseModel):
     holdout: float = Field(0.5, gt=0, lt=1)
     valid_only: bool = True  # False: probe every aligned decision case (e.g. a model that does not decide)
     max_controls: int | None = Field(None, ge=0)  # valid controls carried into the edits (a seeded sample); None = all
-    erratum_template: str = ERRATUM
+    erratum_template: str = ERRATUM  # what an erratum strategy without its own template uses
     compose: int = Field(0, ge=0)  # composition-gate queries (kvprobe validate's table); 0 = skip
     compose_seams: list[int] = [0, 1, 4]
     dtype: str = "float32"
@@ -80,6 +80,12 @@ class RunConfig(BaseModel):
             parse_strategy(s)
         return v
 
+    @field_validator("erratum_template")
+    @classmethod
+    def _erratum_template(cls, v: str) -> str:
+        """A name ("paper", "short") becomes its template, the literal that topk.yaml hands to serving."""
+        return ERRATUM_TEMPLATES.get(v, v)
+
     @field_validator("compose_seams")
     @classmethod
     def _seams(cls, v: list[int]) -> list[int]:
@@ -94,6 +100,10 @@ class RunConfig(BaseModel):
         if bad:
             raise ValueError(f"unknown ranking(s) {bad}; accepted: {', '.join(RANKINGS)}")
         return v
+
+    def edit_strategies(self) -> list[Strategy]:
+        """The configured strategies, typed; an erratum given without a template gets ``erratum_template``."""
+        return [parse_strategy(s, template=self.erratum_template) for s in self.strategies]
 
     @classmethod
     def from_yaml(cls, path: Path | str, **overrides) -> "RunConfig":
@@ -271,7 +281,7 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
                            "max_downstream": max_down}, out / RANKING_RULE)
 
     # the editor: every strategy on the valid cases (+ controls), the K sweep on the held-out half
-    base = [parse_strategy(s) for s in cfg.strategies]
+    base = cfg.edit_strategies()
     rankings = [r for r in cfg.rankings if r != "causal" or learned]
     edit_items = [(f"{a.case.case_id}.cot{c}", (a, c)) for a in valid + [aligned[i] for i in control_ids]
                   for c in cfg.cot]

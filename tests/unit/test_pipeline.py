@@ -148,3 +148,17 @@ def test_no_case_reaching_min_flip_means_no_causal_ranking_and_says_why(lm, tmp_
     topk = yaml.safe_load((tmp_path / "topk.yaml").read_text())
     assert topk["k_star"] is None and topk["reason"].startswith("no causal ranking rule: none of the")
     assert "--min-flip" in topk["reason"]
+
+
+def test_the_configured_erratum_template_reaches_the_editor_and_topk(lm, tmp_path):
+    """An ``erratum`` without a template of its own uses ``erratum_template``; its rows say which."""
+    import yaml
+
+    from kvprobe.datasets import SHORT_ERRATUM
+
+    cfg = P.RunConfig(**{**SMALL, "strategies": ["stale", "erratum", "field_erratum:paper", "oracle"],
+                         "erratum_template": "short"})
+    P.run(cfg, tmp_path, lm=lm)
+    edits = pd.read_parquet(tmp_path / EDITS)
+    assert {"erratum:short", "field_erratum"} <= set(edits.strategy) and "erratum" not in set(edits.strategy)
+    assert yaml.safe_load((tmp_path / "topk.yaml").read_text())["erratum_template"] == SHORT_ERRATUM

@@ -9,12 +9,13 @@ import typer
 from rich.table import Table
 
 from kvprobe.cli.common import ALLOW_FAILED_TOY_HELP, console, load_with_status, progress_bar
+from kvprobe.kv.strategies import spec_grammar
 
 
 def edit(model: str = typer.Option(..., help="model spec, see `kvprobe models`"),
          dataset: str = typer.Option("default", help="'default' (generated) or a JSONL file of cases"),
          strategies: str = typer.Option(",".join(__import__("kvprobe.editing").editing.DEFAULT_STRATEGIES),
-                                        help="comma-separated strategy specs"),
+                                        help=f"comma-separated strategy specs: {spec_grammar()}"),
          n: int = typer.Option(40, min=1, help="cases"), seed: int = 0,
          cot: str = typer.Option("0", help="comma-separated CoT token budgets (0 = no chain-of-thought)"),
          form: str = typer.Option("auto", help="chat, raw or auto"),

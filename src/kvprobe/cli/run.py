@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from kvprobe.cli.common import ALLOW_FAILED_TOY_HELP, console, load_with_status, progress_bar
+from kvprobe.kv.strategies import spec_grammar
 
 
 def _csv(value: str | None, cast=str) -> list | None:
@@ -16,7 +17,7 @@ def _csv(value: str | None, cast=str) -> list | None:
 def run(model: str | None = typer.Option(None, help="model spec (default: the bundled default model)"),
         dataset: str | None = typer.Option(None, help="'default' (generated) or a JSONL file of cases"),
         probes: str | None = typer.Option(None, help="comma-separated: locality,attention,knockout,linear"),
-        strategies: str | None = typer.Option(None, help="comma-separated edit strategy specs"),
+        strategies: str | None = typer.Option(None, help=f"comma-separated edit strategy specs: {spec_grammar()}"),
         n: int | None = typer.Option(None, min=1, help="cases"), seed: int | None = None,
         cot: str | None = typer.Option(None, help="comma-separated CoT token budgets, e.g. 0,64"),
         valid_only: bool | None = typer.Option(None, "--valid-only/--all-cases",
@@ -83,7 +84,8 @@ def _print_headline(out: Path, cfg) -> None:
 
     if (out / EDITS).exists():
         df = pd.read_parquet(out / EDITS)
-        print_summary(df[df.strategy.isin(cfg.strategies)], False, str(out), cfg.min_flip)
+        labels = [s.label for s in cfg.edit_strategies()]
+        print_summary(df[df.strategy.isin(labels)], False, str(out), cfg.min_flip)
     topk = out / "topk.yaml"
     if topk.exists():
         import yaml

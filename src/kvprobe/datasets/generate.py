@@ -20,6 +20,7 @@ ERRATUM = (
     "[STATE UPDATE] {field} has just changed to {value}; this overrides any earlier value. Apply the current value."
 )
 SHORT_ERRATUM = "[STATE UPDATE] {field} -> {value}; overrides any earlier value."
+ERRATUM_TEMPLATES = {"paper": ERRATUM, "short": SHORT_ERRATUM}  # the names a spec or a config may use
 
 
 def erratum_text(field: str, value: str, template: str | None = None) -> str:

@@ -25,6 +25,7 @@ from pathlib import Path
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvprobe.datasets import ERRATUM_TEMPLATES
 from kvprobe.errors import KvprobeError
 from kvprobe.results import SERVING, SERVING_MANIFEST, CaseStore, atomic_write_json
 from kvprobe.serving import metrics as M
@@ -53,7 +54,7 @@ class BenchConfig(BaseModel):
     policy_tokens: int = DEFAULT_POLICY_TOKENS
     seed: int = 0
     domain: str | None = None
-    erratum_template: str = "short"  # a name in kvprobe.kv.edit.ERRATUM_TEMPLATES, or a literal template
+    erratum_template: str = "short"  # a name in kvprobe.datasets.ERRATUM_TEMPLATES, or a literal template
     max_tokens: int = Field(4, ge=1, le=64)
 
     @field_validator("arms")
@@ -75,7 +76,6 @@ class BenchConfig(BaseModel):
 def resolve_template(name: str) -> str:
     """The erratum template the user configured: a name the erratum strategy knows ("paper",
     "short"), an exported top-K YAML file (its ``erratum_template``), or a literal template."""
-    from kvprobe.kv.edit import ERRATUM_TEMPLATES
     from kvprobe.serving.prompts import check_template
 
     if name in ERRATUM_TEMPLATES:

@@ -24,8 +24,9 @@ def build_edits(run: Run) -> dict | None:
     e = run.table(EDITS)
     if e.empty or "strategy" not in e:
         return None
-    cfg = run.config.get("strategies")
-    main_mask = e["strategy"].isin(cfg) if cfg else ~e["strategy"].str.startswith("selective:")
+    # the configured strategies: every non-selective row (an erratum's label names the run's template, not the
+    # spec in the config), and the configured selective ones
+    main_mask = ~e["strategy"].str.startswith("selective:") | e["strategy"].isin(run.config.get("strategies") or [])
     dec = decision_rows(e)
     warning = None
     if "valid" in dec:

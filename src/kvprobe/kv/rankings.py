@@ -1,0 +1,51 @@
+"""Rankings of a case's downstream positions, most important first: which K positions
+``selective:K:RANKING`` recomputes besides the field."""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvprobe.errors import KvprobeError
+from kvprobe.kv import cache as C
+
+if TYPE_CHECKING:
+    from kvprobe.kv.strategies import EditContext
+
+RANKINGS = ("causal", "random", "attention", "recency", "aggregators")
+
+
+def decision_attention(ctx: EditContext) -> torch.Tensor:
+    """The decision token's attention to each cache entry of the old prompt, mean over layers and heads (D,)."""
+    if ctx._attention is None:
+        out = C.forward(ctx.lm.model, torch.tensor([[ctx.a.ids_old[ctx.D]]]), ctx.old_cache, output_attentions=True)
+        C.truncate_(ctx.old_cache, ctx.D)
+        if not out.attentions or out.attentions[0] is None:
+            raise KvprobeError("the attention ranking needs attention weights; load the model with attn='eager'")
+        ctx._attention = torch.stack([att[0, :, -1, : ctx.D] for att in out.attentions]).mean((0, 1))
+    return ctx._attention
+
+
+def rank_downstream(ctx: EditContext, ranking: str) -> list[int]:
+    """Downstream positions, most important first, under a ranking rule."""
+    lo, hi = ctx.a.downstream
+    pos = list(range(lo, hi))
+    if ranking == "random":
+        rng = random.Random(f"{ctx.seed}:{ctx.a.case.case_id}")
+        rng.shuffle(pos)
+        return pos
+    if ranking == "recency":
+        return pos[::-1]
+    if ranking == "aggregators":  # punctuation, newlines and section marks first, nearest the field first
+        agg = [p for p in pos if ctx.a.kinds[p] in ("newline", "punct", "section")]
+        return agg + [p for p in pos if p not in set(agg)]
+    if ranking == "attention":
+        att = decision_attention(ctx)[lo:hi]
+        return [lo + int(i) for i in torch.argsort(att, descending=True, stable=True)]
+    if ranking == "causal":
+        if ctx.ranking is None:
+            raise KvprobeError("the causal ranking comes from the probes: run `kvprobe run` (or pass a ranking)")
+        return list(ctx.ranking(ctx))
+    raise KvprobeError(f"unknown ranking {ranking!r}; accepted: {', '.join(RANKINGS)}")

@@ -1,0 +1,378 @@
+"""The edit strategies: typed, registered classes, and what they work on.
+
+Every strategy starts from the cache of the old prompt ``ids_old[:D]`` (an :class:`EditContext`)
+and returns an :class:`Edited` state. The strategies (the paper's, plus controls)::
+
+    stale            the old cache as it is
+    field_only       recompute the field span only (downstream notes stay stale)
+    selective        the field plus K downstream positions chosen by a ranking
+    cacheblend       recompute the fraction r of positions with the largest KV deviation at a
+                     check layer (the CacheBlend baseline; the check-layer pass is counted)
+    erratum          keep the old cache, append a correction line and re-ask
+    field_erratum    field_only, then the erratum
+    hoist            the prompt rewritten with the field moved late: recompute from the field on
+                     (needs a rewritten prompt: reported as such)
+    oracle           full re-prefill of the new prompt
+
+Each is a frozen dataclass registered under its spec name; its fields are the spec's arguments
+in order, so ``Selective(8, "causal").spec == "selective:8:causal"`` and :func:`parse_strategy`
+reads any registered spec without knowing the variants. A new strategy is one class.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
+from typing import ClassVar, get_type_hints
+
+import torch
+from transformers import DynamicCache
+
+from kvprobe.datasets import ERRATUM_TEMPLATES, AlignedCase, Skip, align, erratum_text, render_prompt
+from kvprobe.datasets.spans import prompt_ids
+from kvprobe.errors import KvprobeError
+from kvprobe.kv import cache as C
+from kvprobe.kv.rankings import RANKINGS, rank_downstream
+
+@dataclass
+class Edited:
+    """A repaired cache plus the tokens still to feed before the decision is read.
+
+    ``cache`` holds ``n`` entries whose RoPE positions are 0..n-1; ``tail_ids`` are fed at
+    positions n.. (the last one is the decision token). ``recomputed`` counts tokens whose K/V
+    this strategy computed, the tail included, the decision token excluded.
+    """
+
+    cache: DynamicCache
+    tail_ids: list[int]
+    recomputed: float
+    total: int
+    wall_s: float = 0.0
+    rewritten_prompt: bool = False
+    note: str = ""
+    setup_s: float = 0.0  # time spent building what a deployment would already hold (not a cost)
+
+
+@dataclass
+class EditContext:
+    """Everything a strategy may use for one case: the model, the aligned case, the old cache."""
+
+    lm: object
+    a: AlignedCase
+    old_cache: DynamicCache  # ids_old[:D], never modified
+    ranking: Callable[["EditContext"], list[int]] | None = None  # the causal ranking, if supplied
+    seed: int = 0
+    _attention: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def D(self) -> int:
+        return self.a.decision_pos
+
+
+def check_length(lm, n_tokens: int) -> None:
+    """Refuse a context longer than the model's position range."""
+    limit = getattr(lm.model.config, "max_position_embeddings", None)
+    if limit and n_tokens > limit:
+        raise KvprobeError(f"context of {n_tokens} tokens is longer than the model's window of {limit} positions")
+
+
+def make_context(lm, a: AlignedCase, ranking=None, seed: int = 0) -> EditContext:
+    """Prefill the old prompt (everything before the decision token) once for all strategies."""
+    check_length(lm, len(a.ids_old))
+    _, cache = C.prefill(lm.model, torch.tensor(a.ids_old[: a.decision_pos]), logits_to_keep=1)
+    return EditContext(lm, a, cache, ranking, seed)
+
+
+# -- the building block: recompute a set of positions against a partly stale cache -----------
+def recompute_positions(lm, cache: DynamicCache, ids: list[int], positions: list[int]) -> DynamicCache:
+    """A copy of ``cache`` whose entries at ``positions`` are recomputed from ``ids``.
+
+    Each recomputed token attends to the *stale* entries of the other positions before it and to
+    the other recomputed tokens before it (CacheBlend semantics). Recomputing every position from
+    the first changed one on therefore equals a fresh prefill.
+    """
+    work = C.copy(cache)
+    if not positions:
+        return work
+    n = C.seq_len(work)
+    sel = torch.tensor(sorted(positions))
+    assert int(sel.max()) < n, "positions must lie inside the cache"
+    visible = torch.ones(1, len(sel), n, dtype=torch.bool)
+    visible[:, :, sel] = False  # the recomputed tokens stand in for their stale entries
+    C.masked_forward(lm, torch.tensor([ids[p] for p in sel.tolist()])[None], work, sel[None], visible=visible,
+                     logits_to_keep=1)
+    for layer in range(C.n_layers(work)):
+        k, v = C.get_kv(work, layer)  # (1, H_kv, n + S, D)
+        k[:, :, sel], v[:, :, sel] = k[:, :, n:], v[:, :, n:]
+        C.set_kv(work, layer, k[:, :, :n], v[:, :, :n])
+    return work
+
+
+# -- the registry and the spec grammar --------------------------------------------------------
+class Strategy(ABC):
+    """An edit strategy: a frozen dataclass whose fields are its spec arguments, in order.
+
+    A subclass is filed under its spec name by :func:`register`, checks its fields in
+    ``__post_init__`` (a ValueError for a bad one) and repairs a case in :meth:`apply`. ``k`` and
+    ``ranking`` are None except for ``selective``, since every edit table row has those columns.
+    """
+
+    name: ClassVar[str]
+    k: ClassVar[int | None] = None
+    ranking: ClassVar[str | None] = None
+
+    @abstractmethod
+    def apply(self, ctx: EditContext) -> Edited:
+        """Repair the old cache of ``ctx`` for the new value."""
+
+    @property
+    def spec(self) -> str:
+        """``name:arg1:arg2``, leaving out trailing arguments at their default (``erratum``)."""
+        params = fields(self)
+        args = [getattr(self, f.name) for f in params]
+        while args and args[-1] == params[len(args) - 1].default:
+            args.pop()
+        return ":".join([self.name, *(format(a, "g") if isinstance(a, float) else str(a) for a in args)])
+
+    @property
+    def label(self) -> str:
+        """The name of this strategy's rows in edit tables: its spec."""
+        return self.spec
+
+    @classmethod
+    def grammar(cls) -> str:
+        """``name:ARG``, an optional argument in brackets, then what the arguments accept."""
+        params = fields(cls)
+        args = [f":{f.metadata.get('arg', f.name.upper())}" for f in params]
+        spec = cls.name + "".join(a if f.default is MISSING else f"[{a}]" for f, a in zip(params, args))
+        notes = [f.metadata["note"] for f in params if f.metadata.get("note")]
+        return spec + (f" ({'; '.join(notes)})" if notes else "")
+
+
+STRATEGIES: dict[str, type[Strategy]] = {}  # spec name -> class, in the order the help lists them
+
+
+def register(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
+    """Class decorator: file a strategy (a frozen dataclass) under its spec name."""
+    def add(cls: type[Strategy]) -> type[Strategy]:
+        if name in STRATEGIES:
+            raise ValueError(f"a strategy is already registered as {name!r}")
+        cls.name = name
+        STRATEGIES[name] = cls
+        return cls
+    return add
+
+
+def arg(placeholder: str, note: str = "", **kwargs):
+    """A strategy field, with how the grammar shows it (``K``) and what it accepts (``0<R<=1``)."""
+    return field(metadata={"arg": placeholder, "note": note}, **kwargs)
+
+
+def spec_grammar() -> str:
+    """Every registered strategy's grammar, for error messages and help texts."""
+    return ", ".join(cls.grammar() for cls in STRATEGIES.values())
+
+
+def parse_strategy(spec: str, **defaults) -> Strategy:
+    """``selective:8:causal`` -> ``Selective(k=8, ranking="causal")``.
+
+    The arguments fill the class's fields in order, each converted by the field's type and
+    checked by the class; the last field takes the rest of the spec (a literal erratum template
+    may hold ':'). ``defaults`` fill fields the spec leaves out (the run's erratum template).
+    A bad spec raises a one-line KvprobeError naming the grammar.
+    """
+    name, colon, rest = spec.strip().partition(":")
+    cls = STRATEGIES.get(name)
+    if cls is not None:
+        params = fields(cls)
+        args = rest.split(":", max(len(params) - 1, 0)) if colon else []
+        if len(args) <= len(params):
+            types = get_type_hints(cls)
+            try:
+                given = {f.name: types[f.name](a) for f, a in zip(params, args)}
+                given |= {f.name: defaults[f.name] for f in params[len(args):] if f.name in defaults}
+                return cls(**given)
+            except (TypeError, ValueError):
+                pass
+    raise KvprobeError(f"bad strategy {spec!r}; accepted: {spec_grammar()}")
+
+
+def apply(ctx: EditContext, strategy: Strategy | str) -> Edited:
+    """Run one strategy on a case, timed. Neither the shared old-cache prefill nor a strategy's
+    setup (what a deployment would already hold, e.g. hoist's rewritten prefix) is counted; the
+    tail fed at decision time is timed by :func:`~kvprobe.kv.edit.decide`'s caller."""
+    s = parse_strategy(strategy) if isinstance(strategy, str) else strategy
+    start = time.perf_counter()
+    edited = s.apply(ctx)
+    edited.wall_s = time.perf_counter() - start - edited.setup_s
+    return edited
+
+
+# -- the strategies -------------------------------------------------------------------------
+def _selected(ctx: EditContext, downstream: list[int]) -> Edited:
+    f0, f1 = ctx.a.field
+    positions = list(range(f0, f1)) + downstream
+    cache = recompute_positions(ctx.lm, ctx.old_cache, ctx.a.ids_new, positions)
+    return Edited(cache, [ctx.a.ids_new[ctx.D]], len(positions), ctx.D + 1)
+
+
+def _with_erratum(ctx: EditContext, template: str, base: DynamicCache, base_ids: list[int], value_in_prompt: str,
+                  extra_recomputed: int) -> Edited:
+    """Keep the longest prefix of ``base`` the erratum prompt shares, feed the rest."""
+    a = ctx.a
+    text = render_prompt(a.case, ctx.lm.tokenizer, value_in_prompt, a.form,
+                         erratum=erratum_text(a.case.field, a.case.new_value, template))
+    ids = prompt_ids(ctx.lm.tokenizer, text, a.form)
+    check_length(ctx.lm, len(ids))
+    # Tokenizers can merge across the insertion point: reuse only the identical prefix.
+    shared = next((i for i, (x, y) in enumerate(zip(ids, base_ids[: ctx.D])) if x != y), min(len(ids), ctx.D))
+    cache = C.crop(base, shared)
+    tail = ids[shared:]
+    return Edited(cache, tail, extra_recomputed + len(tail) - 1, len(ids))
+
+
+@register("stale")
+@dataclass(frozen=True)
+class Stale(Strategy):
+    """The old cache as it is."""
+
+    def apply(self, ctx: EditContext) -> Edited:
+        return Edited(ctx.old_cache, [ctx.a.ids_old[ctx.D]], 0, ctx.D + 1)
+
+
+@register("field_only")
+@dataclass(frozen=True)
+class FieldOnly(Strategy):
+    """Recompute the field span only; downstream notes stay stale."""
+
+    def apply(self, ctx: EditContext) -> Edited:
+        return _selected(ctx, [])
+
+
+@register("selective")
+@dataclass(frozen=True)
+class Selective(Strategy):
+    """The field plus the first ``k`` downstream positions under a ranking."""
+
+    k: int = arg("K")
+    ranking: str = arg("RANKING", note="RANKING in " + "/".join(RANKINGS))
+
+    def __post_init__(self):
+        if self.k < 0 or self.ranking not in RANKINGS:
+            raise ValueError(f"selective needs K >= 0 and a ranking in {RANKINGS}, got {self.k}, {self.ranking!r}")
+
+    def apply(self, ctx: EditContext) -> Edited:
+        lo, hi = ctx.a.downstream
+        if self.k > hi - lo:
+            raise KvprobeError(f"K={self.k} is larger than the downstream span of case {ctx.a.case.case_id} "
+                               f"({hi - lo} positions); use K <= {hi - lo}")
+        return _selected(ctx, rank_downstream(ctx, self.ranking)[: self.k])
+
+
+class _StopForward(Exception):
+    pass
+
+
+@register("cacheblend")
+@dataclass(frozen=True)
+class CacheBlend(Strategy):
+    """CacheBlend: pick the fraction ``ratio`` of positions by KV deviation at ``check_layer``, then
+    recompute them."""
+
+    ratio: float = arg("R", note="0<R<=1")
+    check_layer: ClassVar[int] = 1
+
+    def __post_init__(self):
+        if not 0 < self.ratio <= 1:
+            raise ValueError(f"cacheblend needs 0 < ratio <= 1, got {self.ratio}")
+
+    def apply(self, ctx: EditContext) -> Edited:
+        lm, D = ctx.lm, ctx.D
+        layers = lm.adapter.layers(lm.model)
+        check_layer = min(self.check_layer, len(layers) - 1)
+        probe = C.new_cache()
+
+        def stop(module, args):
+            raise _StopForward
+
+        handle = layers[check_layer + 1].register_forward_pre_hook(stop) if check_layer + 1 < len(layers) else None
+        try:
+            C.forward(lm.model, torch.tensor([ctx.a.ids_new[:D]]), probe)
+        except _StopForward:
+            pass
+        finally:
+            if handle is not None:
+                handle.remove()
+        k_new, v_new = C.get_kv(probe, check_layer)
+        k_old, v_old = C.get_kv(ctx.old_cache, check_layer)
+        deviation = ((k_new - k_old) ** 2).sum((0, 1, 3)) + ((v_new - v_old) ** 2).sum((0, 1, 3))  # (D,)
+        n = max(1, round(self.ratio * D))
+        chosen = torch.argsort(deviation, descending=True, stable=True)[:n].tolist()
+        cache = recompute_positions(lm, ctx.old_cache, ctx.a.ids_new, chosen)
+        check_cost = D * (check_layer + 1) / len(layers)
+        return Edited(cache, [ctx.a.ids_new[D]], n + check_cost, D + 1,
+                      note=f"field recomputed: {set(range(*ctx.a.field)) <= set(chosen)}")
+
+
+@register("erratum")
+@dataclass(frozen=True)
+class Erratum(Strategy):
+    """Keep the old cache, append a correction line and re-ask.
+
+    ``template`` is a name in :data:`~kvprobe.datasets.ERRATUM_TEMPLATES` or a literal template; a
+    literal equal to a named one is kept by its name, so the paper's template prints as ``erratum``.
+    """
+
+    template: str = arg("paper|short", default="paper")
+
+    def __post_init__(self):
+        named = {text: name for name, text in ERRATUM_TEMPLATES.items()}
+        object.__setattr__(self, "template", named.get(self.template, self.template))
+
+    @property
+    def text(self) -> str:
+        """The template itself, with ``{field}`` and ``{value}``."""
+        return ERRATUM_TEMPLATES.get(self.template, self.template)
+
+    def apply(self, ctx: EditContext) -> Edited:
+        return _with_erratum(ctx, self.text, ctx.old_cache, ctx.a.ids_old, ctx.a.case.old_value, 0)
+
+
+@register("field_erratum")
+@dataclass(frozen=True)
+class FieldErratum(Erratum):
+    """field_only, then the erratum."""
+
+    def apply(self, ctx: EditContext) -> Edited:
+        fixed = _selected(ctx, [])
+        return _with_erratum(ctx, self.text, fixed.cache, ctx.a.ids_new, ctx.a.case.new_value,
+                             ctx.a.field[1] - ctx.a.field[0])
+
+
+@register("hoist")
+@dataclass(frozen=True)
+class Hoist(Strategy):
+    """The deployment keeps the field late in its prompt; an edit recomputes from the field on."""
+
+    def apply(self, ctx: EditContext) -> Edited:
+        hoisted = align(ctx.a.case.model_copy(update={"field_position": "late"}), ctx.lm.tokenizer, ctx.a.form)
+        if isinstance(hoisted, Skip):
+            raise KvprobeError(f"hoist: the rewritten prompt of {ctx.a.case.case_id} does not align: {hoisted.reason}")
+        f0, D = hoisted.field[0], hoisted.decision_pos
+        start = time.perf_counter()
+        # the deployment's cached prefix
+        _, cache = C.prefill(ctx.lm.model, torch.tensor(hoisted.ids_old[:f0]), logits_to_keep=1)
+        return Edited(cache, hoisted.ids_new[f0 : D + 1], D - f0, D + 1, rewritten_prompt=True,
+                      setup_s=time.perf_counter() - start)
+
+
+@register("oracle")
+@dataclass(frozen=True)
+class Oracle(Strategy):
+    """A full re-prefill of the new prompt."""
+
+    def apply(self, ctx: EditContext) -> Edited:
+        _, cache = C.prefill(ctx.lm.model, torch.tensor(ctx.a.ids_new[: ctx.D]), logits_to_keep=1)
+        return Edited(cache, [ctx.a.ids_new[ctx.D]], ctx.D, ctx.D + 1)
