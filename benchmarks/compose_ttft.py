@@ -9,7 +9,7 @@ loop iteration, these are timed:
 - **compose**: load the block from the store (header and identity checks, sha256 of the bytes),
   re-rotate the block's keys to their new position, splice, then one forward pass of the fresh
   tokens (the lead, the seam's s block tokens, the query) against the spliced entries
-  (:func:`kvprobe.kv.compose.compose_fused`); logits of the last token;
+  (:func:`kvprobe.composer.splice.compose_fused`); logits of the last token;
 - **memcpy**: ``torch.clone`` of the block's K/V tensors, the lower bound for anything that
   touches the same bytes once.
 
@@ -46,14 +46,14 @@ def main() -> None:
 
     import torch.nn.functional as F
 
-    from kvprobe.datasets.compose import SYSTEM, head_tail, policy_skill
+    from kvprobe.datasets.skills import SYSTEM, head_tail, policy_skill
     from kvprobe.datasets.domains import DOMAINS
-    from kvprobe.kv import compose as K
-    from kvprobe.kv import store as S
+    from kvprobe import composer
+    from kvprobe.composer import store as block_store
     from kvprobe.models import load_model
 
     lm = load_model(args.model, attn="sdpa")
-    S.fingerprint(lm)  # the loaded model's identity: computed once per process, not per request
+    block_store.fingerprint(lm)  # the loaded model's identity: computed once per process, not per request
     tok = lm.tokenizer
     form, head, tail = head_tail(tok, SYSTEM)
 
@@ -77,27 +77,27 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         # The shared preamble (system turn) at position 0: cached once, exact, used by both paths.
-        pre_block = S.load_block(S.save_block(K.precompile(lm, preamble, name="preamble"), lm,
-                                              Path(tmp) / f"preamble{S.SUFFIX}"), lm)
+        pre_block = block_store.load_block(block_store.save_block(composer.precompile(lm, preamble, name="preamble"), lm,
+                                              Path(tmp) / f"preamble{block_store.SUFFIX}"), lm)
         for L in lengths:
             text = policy_skill(spec.name, gate.name, seed=0, target=L + 64, tokenizer=tok).text
             block_ids = enc(text)[:L]
             if len(block_ids) < L:
                 raise SystemExit(f"could not build a {L}-token block")
-            path = S.save_block(K.precompile(lm, block_ids, preamble, name=f"L{L}"), lm, Path(tmp) / f"L{L}{S.SUFFIX}")
+            path = block_store.save_block(composer.precompile(lm, block_ids, preamble, name=f"L{L}"), lm, Path(tmp) / f"L{L}{block_store.SUFFIX}")
             best = {"full": float("inf"), "compose": float("inf"), "nopc": float("inf"), "memcpy": float("inf")}
             parts: dict = {}
             for r in range(args.repeat):
                 if r == 0 or L < 4096:
                     t0 = time.perf_counter()
-                    c = K.Composer(lm)
+                    c = composer.Composer(lm)
                     c.block(pre_block)
                     full = c.text(lead + block_ids + query)  # a plain prefill after the cached preamble
                     best["full"] = min(best["full"], time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                block = S.load_block(path, lm)
+                block = block_store.load_block(path, lm)
                 t_load = time.perf_counter() - t0
-                c = K.compose_fused(lm, [pre_block, lead, block, query], seam=args.seam)
+                c = composer.compose_fused(lm, [pre_block, lead, block, query], seam=args.seam)
                 logits = c.logits
                 total = time.perf_counter() - t0
                 if total < best["compose"]:
@@ -105,7 +105,7 @@ def main() -> None:
                     parts = {"load": t_load, "rerot": c.timings.rerotate, "splice": c.timings.splice,
                              "fwd": c.timings.prefill}
                 t0 = time.perf_counter()
-                K.compose_fused(lm, [preamble + lead, S.load_block(path, lm), query], seam=args.seam)
+                composer.compose_fused(lm, [preamble + lead, block_store.load_block(path, lm), query], seam=args.seam)
                 best["nopc"] = min(best["nopc"], time.perf_counter() - t0)
                 for _ in range(3):
                     t0 = time.perf_counter()

@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from common import long_case, timed
-from kvprobe.kv import edit as E
+from kvprobe import editor
 from kvprobe.models import load_model
 
 STRATEGIES = ("field_only", "selective:8:aggregators", "cacheblend:0.15", "erratum", "field_erratum", "hoist")
@@ -33,14 +33,14 @@ def main() -> None:
     print(f"{'tokens':>7} {'strategy':<26} {'ms':>9} {'re-prefill ms':>14} {'speedup':>8} {'recomputed':>10}")
     for target in (int(x) for x in args.lengths.split(",")):
         a = long_case(lm.tokenizer, target)
-        ctx = E.make_context(lm, a)
+        ctx = editor.make_context(lm, a)
 
         def cost(spec: str) -> tuple[float, float]:
             """Best (repair + decision read) seconds over the repeats, and the recomputed fraction."""
             best, frac = float("inf"), 0.0
             for _ in range(args.repeat):
-                edited = E.apply(ctx, spec)  # wall_s excludes setup a deployment already holds
-                _, t_read = timed(lambda: E.decide(lm, edited))
+                edited = editor.apply(ctx, spec)  # wall_s excludes setup a deployment already holds
+                _, t_read = timed(lambda: editor.decide(lm, edited))
                 best, frac = min(best, edited.wall_s + t_read), edited.recomputed / edited.total
             return best, frac
 

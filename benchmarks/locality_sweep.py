@@ -17,7 +17,7 @@ import contextlib
 import torch
 
 from common import long_case, timed
-from kvprobe.decision import logit_diff
+from kvprobe.kv.readout import logit_diff
 from kvprobe.models import load_model
 from kvprobe.probes.engine import PairCaches, Patch, patched_reads
 from kvprobe.probes.locality import targets

@@ -28,9 +28,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvprobe.datasets import ERRATUM, ERRATUM_TEMPLATES, Skip, align, resolve_dataset
-from kvprobe.editing import DEFAULT_STRATEGIES, edit_case
+from kvprobe.editor.runner import DEFAULT_STRATEGIES, edit_case
 from kvprobe.errors import KvprobeError
-from kvprobe.kv.edit import RANKINGS, Strategy, parse_strategy
+from kvprobe.editor.rankings import RANKINGS
+from kvprobe.editor.strategies import Strategy, parse_strategy
 from kvprobe.results import (ATTENTION, COMPOSE, CONCENTRATION, EDITS, KNOCKOUT, LINEAR, LOCALITY, MANIFEST,
                              RANKING_RULE, TOKENS, VALIDITY, CaseStore, atomic_write_json, atomic_write_parquet,
                              claim_folder)
@@ -180,7 +181,7 @@ def _per_case(store: CaseStore, items, fn, tick) -> pd.DataFrame:
 def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
     """Run everything ``cfg`` asks for into ``out``; returns the manifest."""
     from kvprobe.models import load_model
-    from kvprobe.validity import check_case, summarize
+    from kvprobe.probes.field_following import check_case, summarize
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -218,7 +219,7 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
                            f"(or set valid_only: false to probe it anyway)")
     valid = [aligned[c] for c in valid_ids]
     rank_ids, held_ids = split_holdout(valid_ids, cfg.holdout, cfg.seed)
-    from kvprobe.reports.tokens import case_tokens  # token text for the notes map (data, not rendering)
+    from kvprobe.datasets.tokens import case_tokens  # token text for the notes map (data, not rendering)
 
     atomic_write_parquet(case_tokens(lm, valid + [aligned[c] for c in control_ids]), out / TOKENS)
 
@@ -267,8 +268,8 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
         atomic_write_parquet(df, out / file)
 
     # the causal ranking rule, learned on the ranking half only
-    from kvprobe.export import export_topk, kinds_of_top
-    from kvprobe.ranking import fit_rule
+    from kvprobe.editor.topk import export_topk, kinds_of_top
+    from kvprobe.editor.causal_rule import fit_rule
 
     rule = fit_rule(locality, {c: aligned[c] for c in rank_ids}, cfg.min_flip) if len(locality) else None
     held = [aligned[c] for c in held_ids]
@@ -305,7 +306,7 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
 
     compose_summary = []
     if cfg.compose:
-        from kvprobe.kv.compose import run_compose, summarize_compose
+        from kvprobe.composer.gate import run_compose, summarize_compose
 
         tick = progress("compose", cfg.compose)
         composed = stages.run("compose", lambda: run_compose(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvprobe.datasets import vocabulary
-from kvprobe.models.tokenizer import build_word_tokenizer
+from kvprobe.datasets.words import build_word_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from kvprobe.datasets import (
     vocabulary,
 )
 from kvprobe.errors import KvprobeError
-from kvprobe.models.tokenizer import words
+from kvprobe.datasets.words import words
 
 
 def test_deterministic():

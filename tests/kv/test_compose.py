@@ -17,12 +17,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvprobe.datasets.compose import SKILL_KINDS, generate_compose, segments
+from kvprobe.datasets.skills import SKILL_KINDS, generate_compose, segments
 from kvprobe.datasets.domains import DOMAINS
 from kvprobe.errors import KvprobeError
-from kvprobe.kv import cache as C
-from kvprobe.kv import compose as K
-from kvprobe.kv.edit import recompute_positions
+from kvprobe.kv import cache as kvcache
+from kvprobe import composer
+from kvprobe.composer import gate
+from kvprobe.kv.recompute import recompute_positions
 from tests.conftest import TINY, ids_of, tiny_model
 
 TOL = 1e-5
@@ -41,8 +42,8 @@ def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def assert_caches_close(a, b, tol: float = TOL):
-    assert C.seq_len(a) == C.seq_len(b)
-    for (ka, va), (kb, vb) in zip(C.to_tensors(a), C.to_tensors(b)):
+    assert kvcache.seq_len(a) == kvcache.seq_len(b)
+    for (ka, va), (kb, vb) in zip(kvcache.to_tensors(a), kvcache.to_tensors(b)):
         assert maxdiff(ka, kb) <= tol and maxdiff(va, vb) <= tol
 
 
@@ -52,12 +53,12 @@ def test_joint_kv_splice_reproduces_full_recompute(name):
     lm = tiny_model(name)
     pre, lead, b1, b2, q = layout(lm)
     ids = pre + lead + b1 + b2 + q
-    oracle = K.oracle_logits(lm, ids)
-    _, full = C.prefill(lm.model, torch.tensor(ids))
-    B1 = K.block_from_cache(lm, full, b1, len(pre + lead))
-    B2 = K.block_from_cache(lm, full, b2, len(pre + lead + b1))
-    c = K.compose(lm, [pre + lead, B1, B2, q])
-    assert c.ids == ids and C.seq_len(c.cache) == len(ids)  # full KV kept on sliding layers too
+    oracle = composer.oracle_logits(lm, ids)
+    _, full = kvcache.prefill(lm.model, torch.tensor(ids))
+    B1 = composer.block_from_cache(lm, full, b1, len(pre + lead))
+    B2 = composer.block_from_cache(lm, full, b2, len(pre + lead + b1))
+    c = composer.compose(lm, [pre + lead, B1, B2, q])
+    assert c.ids == ids and kvcache.seq_len(c.cache) == len(ids)  # full KV kept on sliding layers too
     assert maxdiff(c.logits, oracle) <= TOL
     assert_caches_close(c.cache, full)
 
@@ -69,27 +70,27 @@ def test_joint_kv_moved_and_rerotated_reproduces_full_recompute(name):
     pre, lead, b1, b2, q = layout(lm, seed=1)
     ids = pre + lead + b1 + b2 + q
     shift, p = 50, len(pre + lead)
-    _, shifted = C.prefill(lm.model, torch.tensor(ids), start=shift)
-    B1 = K.block_from_cache(lm, shifted, b1, p)
+    _, shifted = kvcache.prefill(lm.model, torch.tensor(ids), start=shift)
+    B1 = composer.block_from_cache(lm, shifted, b1, p)
     B1.start = p + shift  # its entries were computed at positions p + shift ..
-    c = K.compose(lm, [pre + lead, B1, b2 + q])
-    assert maxdiff(c.logits, K.oracle_logits(lm, ids)) <= 1e-4  # float32 angles at +50
+    c = composer.compose(lm, [pre + lead, B1, b2 + q])
+    assert maxdiff(c.logits, composer.oracle_logits(lm, ids)) <= 1e-4  # float32 angles at +50
 
 
 @pytest.mark.parametrize("name", TINY)
 def test_rerotated_layer0_keys_of_a_moved_block_equal_fresh_prefill(name):
     lm = tiny_model(name)
     pre, lead, b1, b2, q = layout(lm)
-    block = K.precompile(lm, b1, pre)
+    block = composer.precompile(lm, b1, pre)
     assert block.start == len(pre) and len(block) == len(b1)
-    c = K.compose(lm, [pre + lead + b2, block, q])  # moved by len(lead + b2)
-    _, fresh = C.prefill(lm.model, torch.tensor(pre + lead + b2 + b1 + q))
+    c = composer.compose(lm, [pre + lead + b2, block, q])  # moved by len(lead + b2)
+    _, fresh = kvcache.prefill(lm.model, torch.tensor(pre + lead + b2 + b1 + q))
     lo, hi = c.spans[0][:2]
-    got, want = C.get_kv(c.cache, 0)[0][:, :, lo:hi], C.get_kv(fresh, 0)[0][:, :, lo:hi]
+    got, want = kvcache.get_kv(c.cache, 0)[0][:, :, lo:hi], kvcache.get_kv(fresh, 0)[0][:, :, lo:hi]
     assert maxdiff(got, want) <= TOL
     # the control keeps the stored positions: its layer-0 keys are the precompiled ones, unmoved
-    control = K.compose(lm, [pre + lead + b2, block, q], rerotate=False)
-    assert torch.equal(C.get_kv(control.cache, 0)[0][:, :, lo:hi], block.kv[0][0])
+    control = composer.compose(lm, [pre + lead + b2, block, q], rerotate=False)
+    assert torch.equal(kvcache.get_kv(control.cache, 0)[0][:, :, lo:hi], block.kv[0][0])
     assert maxdiff(block.kv[0][0], want) > 100 * TOL  # so the test above can tell
 
 
@@ -98,22 +99,22 @@ def test_whole_block_seam_repair_equals_oracle(name):
     lm = tiny_model(name)
     pre, lead, b1, b2, q = layout(lm)
     ids = pre + lead + b1 + b2 + q
-    B1, B2 = K.precompile(lm, b1, pre), K.precompile(lm, b2, pre)
-    c = K.compose(lm, [pre + lead, B1, B2, q], seam=max(len(b1), len(b2)))
-    _, full = C.prefill(lm.model, torch.tensor(ids))
+    B1, B2 = composer.precompile(lm, b1, pre), composer.precompile(lm, b2, pre)
+    c = composer.compose(lm, [pre + lead, B1, B2, q], seam=max(len(b1), len(b2)))
+    _, full = kvcache.prefill(lm.model, torch.tensor(ids))
     assert_caches_close(c.cache, full)
-    assert maxdiff(c.logits, K.oracle_logits(lm, ids)) <= TOL
+    assert maxdiff(c.logits, composer.oracle_logits(lm, ids)) <= TOL
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3", "tiny-mistral"])
 def test_seam_repair_is_recompute_positions_after_the_splice(name):
     lm = tiny_model(name)
     pre, lead, b1, _, _ = layout(lm)
-    block, s = K.precompile(lm, b1, pre), 3
-    repaired = K.Composer(lm)
+    block, s = composer.precompile(lm, b1, pre), 3
+    repaired = composer.Composer(lm)
     repaired.text(pre + lead)
     repaired.block(block, seam=s)
-    spliced = K.Composer(lm)
+    spliced = composer.Composer(lm)
     spliced.text(pre + lead)
     spliced.block(block, seam=0)
     p = len(pre + lead)
@@ -126,23 +127,23 @@ def test_seam_repair_is_recompute_positions_after_the_splice(name):
 def test_fused_single_pass_equals_part_by_part(name):
     lm = tiny_model(name)
     pre, lead, b1, b2, q = layout(lm, seed=2)
-    blocks = [K.precompile(lm, b1, pre), K.precompile(lm, b2, pre)]
+    blocks = [composer.precompile(lm, b1, pre), composer.precompile(lm, b2, pre)]
     parts = [pre + lead, blocks[0], q[:2], blocks[1], q[2:]]  # text between the blocks too
     for seam, rot in [(0, True), (4, True), (4, False), (100, True)]:
-        a, b = K.compose(lm, parts, seam, rot), K.compose_fused(lm, parts, seam, rot)
+        a, b = composer.compose(lm, parts, seam, rot), composer.compose_fused(lm, parts, seam, rot)
         assert a.ids == b.ids and a.spans == b.spans
         assert maxdiff(a.logits, b.logits) <= TOL
         assert_caches_close(a.cache, b.cache)
     with pytest.raises(KvprobeError, match="last part"):
-        K.compose_fused(lm, parts[:-1], 0)
+        composer.compose_fused(lm, parts[:-1], 0)
 
 
 def test_seam_repair_moves_toward_the_oracle():
     lm = tiny_model("tiny-llama")
     pre, lead, b1, b2, q = layout(lm)
-    oracle = K.oracle_logits(lm, pre + lead + b1 + b2 + q)
-    blocks = [K.precompile(lm, b, pre) for b in (b1, b2)]
-    errs = [maxdiff(K.compose(lm, [pre + lead, *blocks, q], seam=s).logits, oracle) for s in (0, 8, 23)]
+    oracle = composer.oracle_logits(lm, pre + lead + b1 + b2 + q)
+    blocks = [composer.precompile(lm, b, pre) for b in (b1, b2)]
+    errs = [maxdiff(composer.compose(lm, [pre + lead, *blocks, q], seam=s).logits, oracle) for s in (0, 8, 23)]
     assert errs[0] > errs[1] > errs[2]
 
 
@@ -151,32 +152,32 @@ def test_refuses_model_whose_rope_cannot_be_rerotated():
     lm = tiny_model("tiny-llama")
     bad = dataclasses.replace(lm, info=dataclasses.replace(lm.info, rope_unsupported="unsupported RoPE type 'dynamic'"))
     with pytest.raises(KvprobeError, match="cannot compose.*dynamic"):
-        K.Composer(bad)
+        composer.Composer(bad)
     with pytest.raises(KvprobeError, match="cannot compose"):
-        K.precompile(bad, [5, 6, 7])
+        composer.precompile(bad, [5, 6, 7])
 
 
 @pytest.mark.parametrize("name", ["tiny-gemma2", "tiny-gemma3", "tiny-mistral"])
 def test_refuses_kv_from_the_models_own_evicting_cache(name):
     lm = tiny_model(name)
     ids = ids_of(40, len(lm.tokenizer))
-    own = C.output_cache(lm.model(ids, use_cache=True))  # the model's own cache: evicts on sliding layers
+    own = kvcache.output_cache(lm.model(ids, use_cache=True))  # the model's own cache: evicts on sliding layers
     with pytest.raises(KvprobeError, match="evicting"):
-        K.block_from_cache(lm, own, ids[0].tolist(), 0)
-    short = K.precompile(lm, ids[0].tolist())
+        composer.block_from_cache(lm, own, ids[0].tolist(), 0)
+    short = composer.precompile(lm, ids[0].tolist())
     with pytest.raises(KvprobeError, match=r"holds K/V for 15 positions but has 40 tokens.*evicting"):
-        K.Block(short.ids, [(k[:, :, -15:], v[:, :, -15:]) for k, v in short.kv], 0, [], short.config_hash, short.dtype)
+        composer.Block(short.ids, [(k[:, :, -15:], v[:, :, -15:]) for k, v in short.kv], 0, [], short.config_hash, short.dtype)
 
 
 def test_refuses_block_of_another_model_and_too_long_contexts():
     llama, qwen = tiny_model("tiny-llama"), tiny_model("tiny-qwen2")
-    block = K.precompile(llama, [5, 6, 7, 8])
+    block = composer.precompile(llama, [5, 6, 7, 8])
     with pytest.raises(KvprobeError, match="another model"):
-        K.compose(qwen, [[5], block])
-    with pytest.raises(KvprobeError, match="longer than the model's 2048 positions"):
-        K.compose(llama, [[5] * 2046, block])
+        composer.compose(qwen, [[5], block])
+    with pytest.raises(KvprobeError, match="longer than the model's window of 2048 positions"):
+        composer.compose(llama, [[5] * 2046, block])
     with pytest.raises(KvprobeError, match="seam must be >= 0"):
-        K.compose(llama, [[5], block], seam=-1)
+        composer.compose(llama, [[5], block], seam=-1)
 
 
 # -- the dataset ----------------------------------------------------------------------------------
@@ -206,7 +207,7 @@ def test_dataset_is_deterministic_balanced_and_decided_by_its_skills():
 
 def test_dataset_reaches_long_blocks():
     a = generate_compose(4, seed=0, block_tokens=(3000, 4000), n_blocks=(1, 2))
-    from kvprobe.models.tokenizer import words
+    from kvprobe.datasets.words import words
 
     assert all(2900 <= len(words(s.text)) <= 4100 for s in a.skills.values())
 
@@ -214,12 +215,12 @@ def test_dataset_reaches_long_blocks():
 # -- the validation engine and the CLI gate --------------------------------------------------------
 def test_run_compose_rows_and_exact_whole_block_repair():
     lm = tiny_model("tiny-gemma3")
-    df = K.run_compose(lm, n=3, seed=0, seams=[0, 4, 400], block_tokens=(20, 40), n_blocks=(1, 3))
-    assert list(df.columns) == list(K.COLUMNS)
+    df = composer.run_compose(lm, n=3, seed=0, seams=[0, 4, 400], block_tokens=(20, 40), n_blocks=(1, 3))
+    assert list(df.columns) == list(composer.COLUMNS)
     assert len(df) == 3 * 3 * 2 and df.query_id.nunique() == 3
     whole = df[(df.seam == 400) & df.rerotate]
     assert (whole.cosine > 1 - 1e-6).all() and whole.agree.all()  # seam >= block: the oracle
-    summ = K.summarize_compose(df)
+    summ = composer.summarize_compose(df)
     assert len(summ) == 6 and summ.rerotate.iloc[0]
 
 
@@ -235,8 +236,8 @@ def test_validate_cli_writes_table_and_gates(tmp_path, monkeypatch):
     assert (tmp_path / "a" / COMPOSE).exists() and list((tmp_path / "a" / "blocks").glob("*.safetensors"))
     assert "PASS" in res.output
 
-    real = K.run_compose
-    monkeypatch.setattr(K, "run_compose", lambda *a, **k: real(*a, **k).assign(agree=False))
+    real = composer.run_compose
+    monkeypatch.setattr(gate, "run_compose", lambda *a, **k: real(*a, **k).assign(agree=False))
     res = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "b"), "--threshold", "0.5"])
     assert isinstance(res.exception, GateFailed) and "FAIL" in res.output
     monkeypatch.setattr(sys, "argv", ["kvprobe", *args, "--out", str(tmp_path / "c"), "--threshold", "0.5"])
@@ -253,23 +254,23 @@ def test_run_compose_resumes_from_parts_and_stored_blocks(tmp_path, monkeypatch)
     lm = tiny_model("tiny-llama")
     kw = dict(n=3, seed=0, seams=[0, 2], block_tokens=(20, 30), n_blocks=(1, 2), store_dir=tmp_path / "blocks")
     parts = CaseStore(tmp_path, "compose")
-    first = K.run_compose(lm, parts=parts, **kw)
+    first = composer.run_compose(lm, parts=parts, **kw)
     assert len(list(parts.parts.glob("*.parquet"))) == 3
 
     def boom(*a, **k):
         raise AssertionError("recomputed")
 
     with monkeypatch.context() as m:  # everything is done: nothing is prefilled again
-        m.setattr(K, "precompile", boom)
-        m.setattr(K, "oracle_logits", boom)
-        again = K.run_compose(lm, parts=parts, **kw)
+        m.setattr(gate, "precompile", boom)
+        m.setattr(gate, "oracle_logits", boom)
+        again = composer.run_compose(lm, parts=parts, **kw)
     pd.testing.assert_frame_equal(again, first)
 
     victim = first.query_id.iloc[-1]
     (parts.parts / f"{victim}.parquet").unlink()
     with monkeypatch.context() as m:  # the blocks come from the store, only the lost query reruns
-        m.setattr(K, "precompile", boom)
-        redone = K.run_compose(lm, parts=parts, **kw)
+        m.setattr(gate, "precompile", boom)
+        redone = composer.run_compose(lm, parts=parts, **kw)
     cols = ["query_id", "seam", "rerotate", "agree", "answer", "oracle_answer"]
     pd.testing.assert_frame_equal(redone[cols], first[cols])
     assert np.allclose(redone.cosine, first.cosine, atol=1e-6)
@@ -278,7 +279,7 @@ def test_run_compose_resumes_from_parts_and_stored_blocks(tmp_path, monkeypatch)
     assert len(files) >= 2
     files[1].write_bytes(files[0].read_bytes())  # another skill's block under this skill's name
     with pytest.raises(KvprobeError, match="another block"):
-        K.run_compose(lm, parts=CaseStore(tmp_path / "fresh", "compose"), **kw)
+        composer.run_compose(lm, parts=CaseStore(tmp_path / "fresh", "compose"), **kw)
 
 
 def test_validate_cli_refuses_a_folder_with_other_settings(tmp_path):
@@ -305,16 +306,16 @@ def test_real_model_rerotation_moves_keys_and_composes_close_to_recompute():
     lm = real_model("smollm2-135m")
     ids = lm.tokenizer("Policy: refunds are allowed within thirty days of delivery.\n" * 6)["input_ids"]
     pre, lead, block_ids, q = ids[:1], ids[1:40], ids[40:120], ids[120:140]
-    block = K.precompile(lm, block_ids, pre)
-    moved = K.compose(lm, [pre + lead, block, q])
-    control = K.compose(lm, [pre + lead, block, q], rerotate=False)
-    _, fresh = C.prefill(lm.model, torch.tensor(pre + lead + block_ids + q))
+    block = composer.precompile(lm, block_ids, pre)
+    moved = composer.compose(lm, [pre + lead, block, q])
+    control = composer.compose(lm, [pre + lead, block, q], rerotate=False)
+    _, fresh = kvcache.prefill(lm.model, torch.tensor(pre + lead + block_ids + q))
     lo, hi = moved.spans[0][:2]
-    want = C.get_kv(fresh, 0)[0][:, :, lo:hi]
-    err_moved = maxdiff(C.get_kv(moved.cache, 0)[0][:, :, lo:hi], want)
-    err_control = maxdiff(C.get_kv(control.cache, 0)[0][:, :, lo:hi], want)
+    want = kvcache.get_kv(fresh, 0)[0][:, :, lo:hi]
+    err_moved = maxdiff(kvcache.get_kv(moved.cache, 0)[0][:, :, lo:hi], want)
+    err_control = maxdiff(kvcache.get_kv(control.cache, 0)[0][:, :, lo:hi], want)
     assert err_moved <= 1e-3 and err_control > 100 * err_moved, (err_moved, err_control)
 
-    df = K.run_compose(lm, n=3, seed=0, seams=[0, 4], block_tokens=(80, 120), n_blocks=(2, 3))
+    df = composer.run_compose(lm, n=3, seed=0, seams=[0, 4], block_tokens=(80, 120), n_blocks=(2, 3))
     by = df.groupby(["rerotate", "seam"]).cosine.mean()
     assert by[(True, 0)] >= 0.95 and by[(True, 4)] >= 0.95

@@ -11,7 +11,7 @@ from kvprobe.errors import KvprobeError
 from kvprobe.kv import cache as kvcache
 from kvprobe.models import Adapter, build_tiny, tiny_names
 from kvprobe.models import rope
-from kvprobe.models.tokenizer import build_word_tokenizer
+from kvprobe.datasets.words import build_word_tokenizer
 
 TOL = 1e-5  # float32 keys at small shifts agree to ~1e-6
 T = 12  # tokens; shorter than the tiny sliding window (16)

@@ -9,7 +9,7 @@ import pytest
 from kvprobe.datasets import ERRATUM, SHORT_ERRATUM, align, generate
 from kvprobe.errors import KvprobeError
 from kvprobe.kv import cache
-from kvprobe.kv import edit as E
+from kvprobe import editor
 from tests.conftest import tiny_model
 
 # the labels the edit tables carried before strategies were typed, for today's default strategies and more
@@ -29,18 +29,18 @@ def aligned_case():
 
 
 def test_every_registered_strategy_round_trips_spec_object_spec():
-    assert sorted(s.split(":")[0] for s in ONE_OF_EACH) == sorted(E.STRATEGIES)
+    assert sorted(s.split(":")[0] for s in ONE_OF_EACH) == sorted(editor.STRATEGIES)
     for spec in ONE_OF_EACH:
-        s = E.parse_strategy(spec)
-        assert type(s) is E.STRATEGIES[s.name] and s.spec == spec and E.parse_strategy(s.spec) == s
-        assert hash(E.parse_strategy(spec)) == hash(s)
-    assert E.Selective(8, "causal").spec == "selective:8:causal"
-    assert E.parse_strategy("erratum:NOTE: {field} is {value}.").template == "NOTE: {field} is {value}."
+        s = editor.parse_strategy(spec)
+        assert type(s) is editor.STRATEGIES[s.name] and s.spec == spec and editor.parse_strategy(s.spec) == s
+        assert hash(editor.parse_strategy(spec)) == hash(s)
+    assert editor.Selective(8, "causal").spec == "selective:8:causal"
+    assert editor.parse_strategy("erratum:NOTE: {field} is {value}.").template == "NOTE: {field} is {value}."
 
 
 @pytest.mark.parametrize("spec", LABELS)
 def test_labels_and_the_edit_table_columns_are_those_of_before(spec):
-    s = E.parse_strategy(spec)
+    s = editor.parse_strategy(spec)
     assert s.label == LABELS[spec]
     selective = spec.startswith("selective:")
     assert s.name == spec.split(":")[0]
@@ -48,9 +48,9 @@ def test_labels_and_the_edit_table_columns_are_those_of_before(spec):
 
 
 def test_strategies_are_values():
-    assert E.Erratum(ERRATUM) == E.Erratum() == E.parse_strategy("erratum:paper")
-    assert E.Erratum() != E.FieldErratum() and E.Stale() != E.Oracle()
-    assert len({E.parse_strategy("selective:8:random"), E.Selective(k=8, ranking="random"), E.Hoist()}) == 2
+    assert editor.Erratum(ERRATUM) == editor.Erratum() == editor.parse_strategy("erratum:paper")
+    assert editor.Erratum() != editor.FieldErratum() and editor.Stale() != editor.Oracle()
+    assert len({editor.parse_strategy("selective:8:random"), editor.Selective(k=8, ranking="random"), editor.Hoist()}) == 2
 
 
 @pytest.mark.parametrize("spec", ["selective:abc:causal", "selective:8:nope", "selective:-1:causal", "selective:8",
@@ -58,16 +58,16 @@ def test_strategies_are_values():
                                   "stale:1", "oracle:", "bogus", ""])
 def test_a_bad_spec_names_the_grammar_in_one_line(spec):
     with pytest.raises(KvprobeError, match="bad strategy") as err:
-        E.parse_strategy(spec)
+        editor.parse_strategy(spec)
     assert str(err.value).endswith(
         "accepted: stale, field_only, selective:K:RANKING (RANKING in causal/random/attention/recency/aggregators), "
         "cacheblend:R (0<R<=1), erratum[:paper|short], field_erratum[:paper|short], hoist, oracle")
 
 
 def test_a_new_strategy_is_one_class():
-    @E.register("drop_tail")
+    @editor.register("drop_tail")
     @dataclass(frozen=True)
-    class DropTail(E.Strategy):
+    class DropTail(editor.Strategy):
         """Field only, then forget the last ``n`` cache entries and feed their tokens again."""
 
         n: int = 1
@@ -77,26 +77,26 @@ def test_a_new_strategy_is_one_class():
                 raise ValueError("n >= 1")
 
         def apply(self, ctx):
-            fixed = E.FieldOnly().apply(ctx)
+            fixed = editor.FieldOnly().apply(ctx)
             cut = ctx.D - self.n
-            return E.Edited(cache.crop(fixed.cache, cut), ctx.a.ids_new[cut : ctx.D + 1], fixed.recomputed + self.n,
+            return editor.Edited(cache.crop(fixed.cache, cut), ctx.a.ids_new[cut : ctx.D + 1], fixed.recomputed + self.n,
                             ctx.D + 1)
 
     try:
-        assert "drop_tail[:N]" in E.spec_grammar()
-        assert E.parse_strategy("drop_tail:3") == DropTail(3) and DropTail().spec == "drop_tail"
+        assert "drop_tail[:N]" in editor.spec_grammar()
+        assert editor.parse_strategy("drop_tail:3") == DropTail(3) and DropTail().spec == "drop_tail"
         with pytest.raises(KvprobeError, match="drop_tail"):
-            E.parse_strategy("drop_tail:0")
+            editor.parse_strategy("drop_tail:0")
         lm, a = aligned_case()
-        ctx = E.make_context(lm, a)
-        edited = E.apply(ctx, "drop_tail:3")
+        ctx = editor.make_context(lm, a)
+        edited = editor.apply(ctx, "drop_tail:3")
         assert len(edited.tail_ids) == 4 and edited.recomputed == a.field[1] - a.field[0] + 3
-        logits, _ = E.decide(lm, edited)
+        logits, _ = editor.decide(lm, edited)
         assert logits.shape == (lm.model.config.vocab_size,)
     finally:
-        E.STRATEGIES.pop("drop_tail")
+        editor.STRATEGIES.pop("drop_tail")
     with pytest.raises(KvprobeError):
-        E.parse_strategy("drop_tail:3")
+        editor.parse_strategy("drop_tail:3")
 
 
 def test_the_runs_erratum_template_reaches_the_editor():
@@ -104,7 +104,7 @@ def test_the_runs_erratum_template_reaches_the_editor():
     from kvprobe.pipeline import RunConfig
 
     lm, a = aligned_case()
-    ctx = E.make_context(lm, a)
+    ctx = editor.make_context(lm, a)
     strategies = ["stale", "erratum", "field_erratum", "erratum:paper", "oracle"]
     default = RunConfig(model="tiny-llama", strategies=strategies).edit_strategies()
     assert [s.label for s in default] == ["stale", "erratum", "field_erratum", "erratum", "oracle"]
@@ -112,11 +112,11 @@ def test_the_runs_erratum_template_reaches_the_editor():
     assert short.erratum_template == SHORT_ERRATUM  # the literal, which topk.yaml hands to serving
     assert [s.label for s in short.edit_strategies()] == ["stale", "erratum:short", "field_erratum:short", "erratum",
                                                           "oracle"]
-    paper_tail = E.apply(ctx, default[1]).tail_ids
-    short_tail = E.apply(ctx, short.edit_strategies()[1]).tail_ids
-    assert short_tail != paper_tail and short_tail == E.apply(ctx, "erratum:short").tail_ids
+    paper_tail = editor.apply(ctx, default[1]).tail_ids
+    short_tail = editor.apply(ctx, short.edit_strategies()[1]).tail_ids
+    assert short_tail != paper_tail and short_tail == editor.apply(ctx, "erratum:short").tail_ids
     assert "just changed" in lm.tokenizer.decode(paper_tail) and "just changed" not in lm.tokenizer.decode(short_tail)
     literal = RunConfig(model="tiny-llama", strategies=["erratum"], erratum_template="{field} overrides {value}")
     (erratum,) = literal.edit_strategies()
-    assert erratum == E.Erratum("{field} overrides {value}")
-    assert E.apply(ctx, erratum).tail_ids not in (paper_tail, short_tail)
+    assert erratum == editor.Erratum("{field} overrides {value}")
+    assert editor.apply(ctx, erratum).tail_ids not in (paper_tail, short_tail)

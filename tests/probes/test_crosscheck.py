@@ -35,8 +35,8 @@ import pytest
 import torch
 
 from kvprobe.datasets import align, generate
-from kvprobe.decision import logit_diff
-from kvprobe.kv import cache as C
+from kvprobe.kv.readout import logit_diff
+from kvprobe.kv import cache as kvcache
 from kvprobe.probes.engine import PairCaches, Patch, patched_reads, read_batch
 from kvprobe.probes.knockout import HeadSet, head_patched_reads
 from kvprobe.probes.locality import targets
@@ -145,7 +145,7 @@ def test_nnsight_needs_a_full_length_mask_over_a_filled_cache(name):
     ours = read_batch(lm, [pc.old], tok, D)
     with torch.no_grad(), nm.trace(torch.tensor([[tok]]), position_ids=torch.tensor([[D]]), use_cache=True,
                                    attention_mask=torch.ones(1, D + 1, dtype=torch.long),
-                                   **{C.CACHE_KWARG: C.copy(pc.old)}):
+                                   **{kvcache.CACHE_KWARG: kvcache.copy(pc.old)}):
         out = nm.output.save()
     torch.testing.assert_close(ours, out.logits[:, -1].detach(), atol=TOL, rtol=0)
 
@@ -183,7 +183,7 @@ def test_transformer_bridge_kv_cache_stays_empty_on_transformers_5_24(tmp_path):
     transformers 5.24 and the bridge still reads ``past_key_values``, so its cache stays empty
     and a cached decode step sees only itself. When this test fails, the bug is fixed."""
     lm = tiny_model("tiny-qwen2")
-    if C.CACHE_KWARG != "cache":
+    if kvcache.CACHE_KWARG != "cache":
         pytest.skip("transformers still names the attention cache keyword past_key_values")
     br = bridge_of(lm, tmp_path)
     from transformers import DynamicCache
@@ -195,6 +195,6 @@ def test_transformer_bridge_kv_cache_stays_empty_on_transformers_5_24(tmp_path):
         step, _ = br(ids[:, 9:], return_type="logits_and_cache", past_key_values=cache, prepend_bos=False)
         alone = lm.model(input_ids=ids[:, 9:], position_ids=torch.tensor([[9]])).logits
         full = lm.model(input_ids=ids).logits
-    assert C.seq_len(cache) == 0
+    assert kvcache.seq_len(cache) == 0
     torch.testing.assert_close(step[:, -1], alone[:, -1], atol=TOL, rtol=0)  # it attended to itself alone
     assert (step[:, -1] - full[:, -1]).abs().max() > 1e-3

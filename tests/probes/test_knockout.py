@@ -9,7 +9,7 @@ import torch
 
 from kvprobe.datasets import align, generate
 from kvprobe.errors import KvprobeError
-from kvprobe.kv import cache as C
+from kvprobe.kv import cache as kvcache
 from kvprobe.kv.mask import additive_mask
 from kvprobe.probes.base import RESULT_COLUMNS
 from kvprobe.probes.engine import PairCaches, read_batch
@@ -57,7 +57,7 @@ def test_knocking_out_no_edges_changes_nothing(name):
     got = knockout_reads(lm, pc.old, token_of(pc), pc.D, hidden)
     plain = read_batch(lm, [pc.old], token_of(pc), pc.D)
     torch.testing.assert_close(got, plain.expand(3, -1), atol=ATOL, rtol=0)
-    assert C.seq_len(pc.old) == pc.D  # the cache is left as it was
+    assert kvcache.seq_len(pc.old) == pc.D  # the cache is left as it was
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -82,7 +82,7 @@ def test_knocking_out_every_entry_equals_reading_the_token_alone(name):
     lm, pc = tiny_model(name), pair(name)
     hidden = torch.ones(1, lm.adapter.n_layers, pc.D, dtype=torch.bool)
     got = knockout_reads(lm, pc.old, token_of(pc), pc.D, hidden)
-    alone = C.forward(lm.model, torch.tensor([[token_of(pc)]]), C.new_cache(), torch.tensor([pc.D])).logits[:, -1]
+    alone = kvcache.forward(lm.model, torch.tensor([[token_of(pc)]]), kvcache.new_cache(), torch.tensor([pc.D])).logits[:, -1]
     torch.testing.assert_close(got, alone, atol=ATOL, rtol=0)
 
 
@@ -108,7 +108,7 @@ def test_per_layer_band_equals_a_manual_layer_loop(name):
     hidden[0, 1, positions] = True
     got = knockout_reads(lm, pc.old, token_of(pc), D, hidden)
 
-    cache = C.copy(pc.old)
+    cache = kvcache.copy(pc.old)
     pos = torch.tensor([[D]])
     x = ad.embed(m)(torch.tensor([[token_of(pc)]]))
     pe = m.model.rotary_emb(x, pos)  # a test may name the module: this is the naive reference
@@ -117,7 +117,7 @@ def test_per_layer_band_equals_a_manual_layer_loop(name):
             visible = ~hidden[:, layer][:, None]  # (1, 1, D)
             mask = additive_mask(pos, torch.arange(D)[None], visible, None, x.dtype)
             x = block(x, attention_mask=mask, position_embeddings=pe, position_ids=pos,
-                      use_cache=True, **{C.CACHE_KWARG: cache})
+                      use_cache=True, **{kvcache.CACHE_KWARG: cache})
             x = x[0] if isinstance(x, tuple) else x
         ref = ad.lm_head(m)(ad.final_norm(m)(x))[:, -1]
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
@@ -148,7 +148,7 @@ def test_knockout_also_edits_the_mask_the_model_builds_itself():
     hidden = torch.zeros(1, lm.adapter.n_layers, pc.D, dtype=torch.bool)
     hidden[0, 1, list(range(pc.D - 10, pc.D))] = True
     with attention_knockout(lm, hidden):
-        own = C.forward(lm.model, torch.tensor([[token_of(pc)]]), C.copy(pc.old)).logits[:, -1]
+        own = kvcache.forward(lm.model, torch.tensor([[token_of(pc)]]), kvcache.copy(pc.old)).logits[:, -1]
     torch.testing.assert_close(own, knockout_reads(lm, pc.old, token_of(pc), pc.D, hidden), atol=ATOL, rtol=0)
 
 
@@ -230,7 +230,7 @@ def test_edge_knockout_probe_rows(name):
     assert len(topk) == 1
     hidden = torch.zeros(1, lm.adapter.n_layers, pc.D, dtype=torch.bool)
     hidden[0, :, sorted(given[:4])] = True
-    from kvprobe.decision import logit_diff
+    from kvprobe.kv.readout import logit_diff
     from kvprobe.probes.locality import targets
 
     m = logit_diff(knockout_reads(lm, pc.old, token_of(pc), pc.D, hidden), a.option_ids, *targets(a))

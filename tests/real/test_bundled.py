@@ -51,7 +51,7 @@ def test_spans_align_and_decode_to_the_value(alias):
 
 def test_decision_check_runs_on_a_real_model():
     from kvprobe.datasets import generate
-    from kvprobe.validity import check_cases, summarize
+    from kvprobe.probes.field_following import check_cases, summarize
 
     lm = real_model("smollm2-135m")
     df, skipped = check_cases(lm, generate(4, seed=2))

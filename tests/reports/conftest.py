@@ -15,7 +15,7 @@ def make_results(out: Path) -> Path:
     plus tokens.parquet where the pipeline does not write it yet."""
     from kvprobe.datasets import Skip, align, resolve_dataset
     from kvprobe.pipeline import RunConfig, run
-    from kvprobe.reports.tokens import TOKENS, case_tokens
+    from kvprobe.datasets.tokens import TOKENS, case_tokens
     from tests.conftest import tiny_model
 
     cfg = RunConfig(model="tiny-qwen2", n=4, valid_only=False, probes=PROBES,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvprobe.reports.render import render_report
+from kvprobe.reports.html import render_report
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -13,9 +13,9 @@ import pandas as pd
 import pytest
 import yaml
 
-from kvprobe.reports.load import TTFT
-from kvprobe.reports.render import render_html, render_report
-from kvprobe.reports.tokens import TOKENS
+from kvprobe.reports.folder import TTFT
+from kvprobe.reports.html import render_html, render_report
+from kvprobe.datasets.tokens import TOKENS
 from kvprobe.results import COMPOSE, EDITS, KNOCKOUT, LINEAR, LOCALITY, MANIFEST
 
 ALL = ["notes", "edits", "locality", "linear", "knockout", "topk", "facts"]
@@ -40,7 +40,7 @@ def test_same_folder_gives_identical_bytes(tiny_results, tmp_path):
     b = render_report([tiny_results], tmp_path / "b.html").read_bytes()
     assert a == b
     # and in a fresh interpreter (hash seeds, import order, font caches differ)
-    code = ("import sys; from kvprobe.reports.render import render_html; "
+    code = ("import sys; from kvprobe.reports.html import render_html; "
             "sys.stdout.buffer.write(render_html([sys.argv[1]]).encode())")
     fresh = subprocess.run([sys.executable, "-c", code, str(tiny_results)], capture_output=True, timeout=300,
                            env={"PYTHONHASHSEED": "123", **_env()})
@@ -173,7 +173,7 @@ def test_cot_side_by_side(variant):
 
 def test_cot_budgets_are_summarised_over_the_same_cases(variant):
     from kvprobe.reports.sections.edits import build_edits
-    from kvprobe.reports.load import load_run
+    from kvprobe.reports.folder import load_run
 
     folder = variant()
     e = pd.read_parquet(folder / EDITS).assign(valid=True)
@@ -272,7 +272,7 @@ def test_cli_report(tiny_results, tmp_path):
 def test_case_tokens_rebuild_the_prompt():
     from kvprobe.datasets import Skip, align, generate
     from kvprobe.datasets.render import render_pair
-    from kvprobe.reports.tokens import TOKEN_COLUMNS, case_tokens
+    from kvprobe.datasets.tokens import TOKEN_COLUMNS, case_tokens
     from tests.conftest import tiny_model
 
     lm = tiny_model("tiny-qwen2")

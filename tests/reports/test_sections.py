@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 from jinja2 import ChoiceLoader, FileSystemLoader
 
-from kvprobe.reports import render
-from kvprobe.reports.render import render_html
+from kvprobe.reports import html as report_html
+from kvprobe.reports.html import render_html
 from kvprobe.reports.sections import SECTIONS, Section, in_order, register
 from kvprobe.reports.stats import Stat
 from tests.reports.test_render import ALL, columns, sections
@@ -29,14 +29,14 @@ def extra_section(tmp_path, monkeypatch):
     (folder / "sections").mkdir(parents=True)
     (folder / "sections" / "extra.html").write_text(
         '{% from "macros.html" import stat %}\n<p class="extra">mean value {{ stat(d.value) }}</p>\n')
-    page_env = render._env
+    page_env = report_html._env
 
     def env():
         env = page_env()
         env.loader = ChoiceLoader([env.loader, FileSystemLoader(folder)])
         return env
 
-    monkeypatch.setattr(render, "_env", env)
+    monkeypatch.setattr(report_html, "_env", env)
     section = register(Section(id="extra", title="Extra", needs=EXTRA, intro="A section registered by a test.",
                                order=85, build=_build_extra, template="sections/extra.html", tables=(EXTRA,)))
     yield section
@@ -71,7 +71,7 @@ def test_a_registered_section_shows_where_its_table_is(extra_section, variant, t
 
 
 def test_every_section_has_its_template():
-    env = render._env()
+    env = report_html._env()
     for section in in_order():
         assert env.get_template(section.template).name == section.template
 

@@ -18,7 +18,7 @@ import pytest
 from kvprobe.datasets import ERRATUM, SHORT_ERRATUM
 from kvprobe.errors import KvprobeError
 from kvprobe.results import SERVING, SERVING_MANIFEST
-from kvprobe.serving import metrics as M
+from kvprobe.serving import measure
 from kvprobe.serving.prompts import (ARMS, MAX_POLICY_TOKENS, arm_values, build_policy, set_values,
                                      unique_values)
 from tests.serving.conftest import MODEL
@@ -56,7 +56,7 @@ def test_erratum_keeps_the_prefix_and_sits_before_the_question(byte_tokenizer, p
     assert text.index("## Request") > cut and text.rindex("Clause ") < cut
     assert f"{policy.field}: {policy.base_value}" in text[:cut]
     ids, base_ids = policy.arm_prompt(tok, "erratum", value), policy.ids(tok)
-    assert M.shared_prefix(ids, base_ids) >= 0.9 * len(base_ids)
+    assert measure.shared_prefix(ids, base_ids) >= 0.9 * len(base_ids)
 
 
 def test_in_prefix_edit_changes_the_field_early(byte_tokenizer, policy):
@@ -64,7 +64,7 @@ def test_in_prefix_edit_changes_the_field_early(byte_tokenizer, policy):
     ids = policy.arm_prompt(byte_tokenizer, "edit_unique", value)
     text = policy.text(byte_tokenizer, value)
     assert f"{policy.field}: {value}\n" in text and "[STATE UPDATE]" not in text
-    assert M.shared_prefix(ids, policy.ids(byte_tokenizer)) < 0.15 * len(ids)
+    assert measure.shared_prefix(ids, policy.ids(byte_tokenizer)) < 0.15 * len(ids)
     assert policy.arm_prompt(byte_tokenizer, "unchanged", value) == policy.ids(byte_tokenizer)
 
 
@@ -101,24 +101,24 @@ def test_erratum_template_comes_from_the_configured_place(tmp_path):
 
 # -- load ------------------------------------------------------------------------------------------
 def test_poisson_schedule():
-    s = M.poisson_schedule(2.0, 4000, seed=7)
+    s = measure.poisson_schedule(2.0, 4000, seed=7)
     gaps = [b - a for a, b in zip(s, s[1:])]
     assert s[0] == 0.0 and all(g >= 0 for g in gaps)
     assert abs(sum(gaps) / len(gaps) - 0.5) < 0.03  # mean gap 1/rate
     cv = (sum((g - 0.5) ** 2 for g in gaps) / len(gaps)) ** 0.5 / 0.5
     assert 0.9 < cv < 1.1  # exponential gaps: coefficient of variation 1, not a fixed clock
-    assert s == M.poisson_schedule(2.0, 4000, seed=7) and s != M.poisson_schedule(2.0, 4000, seed=8)
-    assert M.poisson_schedule(math.inf, 5) == [0.0] * 5
+    assert s == measure.poisson_schedule(2.0, 4000, seed=7) and s != measure.poisson_schedule(2.0, 4000, seed=8)
+    assert measure.poisson_schedule(math.inf, 5) == [0.0] * 5
     with pytest.raises(KvprobeError):
-        M.poisson_schedule(0.0, 3)
+        measure.poisson_schedule(0.0, 3)
 
 
 def test_parse_rates():
-    assert M.parse_rates("2, 0.5,inf,2") == [0.5, 2.0, math.inf]
-    assert M.rate_label(math.inf) == "inf" and M.rate_label(0.5) == "0.5"
+    assert measure.parse_rates("2, 0.5,inf,2") == [0.5, 2.0, math.inf]
+    assert measure.rate_label(math.inf) == "inf" and measure.rate_label(0.5) == "0.5"
     for bad in ("", "0", "-1", "fast", "1,,x"):
         with pytest.raises(KvprobeError, match="rate"):
-            M.parse_rates(bad)
+            measure.parse_rates(bad)
 
 
 # -- Prometheus text -------------------------------------------------------------------------------
@@ -138,22 +138,22 @@ not a sample line
 
 
 def test_parse_vllm_metrics():
-    samples = M.parse_prometheus(VLLM_METRICS)
-    assert M.counter(samples, M.QUERIES) == 4000.0  # summed over engines
-    assert M.counter(samples, "vllm:prefix_cache_hits_total") == 2560.0  # not the _created sample
-    assert M.counter(samples, "vllm:no_such_counter") is None
-    assert M.block_size_of(samples) == 32
+    samples = measure.parse_prometheus(VLLM_METRICS)
+    assert measure.counter(samples, measure.QUERIES) == 4000.0  # summed over engines
+    assert measure.counter(samples, "vllm:prefix_cache_hits_total") == 2560.0  # not the _created sample
+    assert measure.counter(samples, "vllm:no_such_counter") is None
+    assert measure.block_size_of(samples) == 32
     assert ("vllm:num_requests_running", {"engine": "0", "model_name": 'a "quoted" name'}, 2.0) in samples
-    later = M.parse_prometheus(VLLM_METRICS.replace("3000.0", "4500.0").replace("2560.0", "3968.0"))
-    assert M.metrics_delta(samples, later) == (1500.0, 1408.0)
-    assert M.metrics_delta(samples, M.parse_prometheus("")) == (None, None)
+    later = measure.parse_prometheus(VLLM_METRICS.replace("3000.0", "4500.0").replace("2560.0", "3968.0"))
+    assert measure.metrics_delta(samples, later) == (1500.0, 1408.0)
+    assert measure.metrics_delta(samples, measure.parse_prometheus("")) == (None, None)
     with pytest.raises(KvprobeError, match="restarted"):
-        M.metrics_delta(later, samples)
+        measure.metrics_delta(later, samples)
 
 
 # -- hit-rate arithmetic ---------------------------------------------------------------------------
 def test_block_ceiling():
-    c = M.BlockCeiling(32)
+    c = measure.BlockCeiling(32)
     a = list(range(100))
     assert c.add(a) == 0  # nothing seen yet
     assert c.add(a) == 96  # (100 - 1) // 32 = 3 blocks; never the last token
@@ -162,9 +162,9 @@ def test_block_ceiling():
     assert c.add(a[:96]) == 64  # 96 tokens: the third block would hold the last token
     moved = [7] + a[:99]
     assert c.add(moved) == 0  # the same tokens one position later share no block
-    assert M.static_ceiling(1465, 1528, 32) == pytest.approx(1440 / 1528)
-    assert M.static_ceiling(5000, 1528, 32) == pytest.approx(1504 / 1528)  # capped at P - 1
-    assert math.isnan(M.hit_rate(10, 0)) and M.hit_rate(30, 40) == 0.75
+    assert measure.static_ceiling(1465, 1528, 32) == pytest.approx(1440 / 1528)
+    assert measure.static_ceiling(5000, 1528, 32) == pytest.approx(1504 / 1528)  # capped at P - 1
+    assert math.isnan(measure.hit_rate(10, 0)) and measure.hit_rate(30, 40) == 0.75
 
 
 def _rows(arm, rate, n, prompt, cached, ceiling, ttft, agree, queries, hits, wall):
@@ -178,7 +178,7 @@ def _rows(arm, rate, n, prompt, cached, ceiling, ttft, agree, queries, hits, wal
 def test_summary_and_ratios():
     df = pd.DataFrame(_rows("erratum", 1.0, 10, 1000, 900, 960, [0.1, 0.2], [1, 1, 1, 0], 10000.0, 9000.0, 10.0)
                       + _rows("edit_unique", 1.0, 10, 1000, 32, 32, [1.0, 2.0], [1], 10000.0, 2000.0, 20.0))
-    s = M.summarize(df).set_index("arm")
+    s = measure.summarize(df).set_index("arm")
     e, x = s.loc["erratum"], s.loc["edit_unique"]
     assert e.hit_rate_metrics == pytest.approx(0.9) and e.hit_rate_usage == pytest.approx(0.9) and e.hit_rates_agree
     assert x.hit_rate_metrics == pytest.approx(0.2) and x.hit_rate_usage == pytest.approx(0.032)
@@ -188,15 +188,15 @@ def test_summary_and_ratios():
     assert e.throughput == pytest.approx(1.0) and x.throughput == pytest.approx(0.5)
     assert e.agreement == pytest.approx(0.8) and x.agreement == 1.0
     assert e.oracle_answers == 2 and x.oracle_answers == 1  # "?" (no option named) is not an answer
-    r = M.ratios(M.summarize(df)).iloc[0]
+    r = measure.ratios(measure.summarize(df)).iloc[0]
     assert r.ttft_p90_ratio == pytest.approx(10.0) and r.throughput_ratio == pytest.approx(2.0)
-    assert math.isnan(M.percentile([], 90)) and M.percentile([1, float("nan"), 3], 50) == 2.0
+    assert math.isnan(measure.percentile([], 90)) and measure.percentile([1, float("nan"), 3], 50) == 2.0
 
 
 def test_usage_hit_rate_is_unknown_when_the_server_does_not_report_it():
     rows = _rows("erratum", 1.0, 4, 100, 0, 64, [0.1], [1], 400.0, 256.0, 2.0)
     df = pd.DataFrame(rows).assign(cached_tokens=float("nan"), cached_reported=False)
-    s = M.summarize(df).iloc[0]
+    s = measure.summarize(df).iloc[0]
     assert math.isnan(s.hit_rate_usage) and s.hit_rates_agree is None and s.hit_rate_metrics == 0.64
 
 
@@ -328,7 +328,7 @@ def test_bench_against_a_stand_in_server(byte_bench, fake_vllm, tmp_path):
     # the ceiling bounds every run's cached tokens (summed: at saturation the server's order is not the send order)
     sums = df.groupby(["rate", "arm"])[["cached_tokens", "ceiling_tokens"]].sum()
     assert (sums["cached_tokens"] <= sums["ceiling_tokens"]).all()
-    s = M.summarize(df).set_index(["rate", "arm"])
+    s = measure.summarize(df).set_index(["rate", "arm"])
     assert s["hit_rates_agree"].all()  # one run at a time: the counters' deltas are the run's own
     for rate in (20.0, math.inf):
         erratum, edit = s.loc[(rate, "erratum")], s.loc[(rate, "edit_unique")]
@@ -340,7 +340,7 @@ def test_bench_against_a_stand_in_server(byte_bench, fake_vllm, tmp_path):
     manifest = json.loads((out / SERVING_MANIFEST).read_text())
     assert manifest["block_size"] == 32 and manifest["policy"]["erratum_ceiling"] > 0.9
     # a second benchmark on the same warm server: its unique values are unique still
-    again = M.summarize(pd.read_parquet(byte_bench.Bench(_cfg(byte_bench), fake.url, tmp_path / "again").run()))
+    again = measure.summarize(pd.read_parquet(byte_bench.Bench(_cfg(byte_bench), fake.url, tmp_path / "again").run()))
     again = again.set_index("arm")
     assert (again.loc["edit_unique", "hit_rate_usage"] < 0.1).all()
     # at most a block past the ceiling: the first request per decision word shares "-> delivered (updated 20"

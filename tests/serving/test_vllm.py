@@ -17,7 +17,7 @@ import pandas as pd
 import pytest
 
 from kvprobe.serving import env, server
-from kvprobe.serving import metrics as M
+from kvprobe.serving import measure
 
 pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.vllm]
 MODEL = "smollm2-135m"
@@ -57,7 +57,7 @@ def test_erratum_keeps_the_prefix_cache_and_the_edit_does_not(vllm_server, tmp_p
     path = Bench(cfg, state.url, tmp_path).run()
     bench_s = time.monotonic() - t0
     df = pd.read_parquet(path)
-    s = M.summarize(df).set_index("arm")
+    s = measure.summarize(df).set_index("arm")
     print(f"\nstart-up {started_s:.0f} s, benchmark {bench_s:.0f} s\n{s.round(3).to_string()}")
     assert df["ok"].all() and len(df) == 4 * 20
     assert df["cached_reported"].all()  # --enable-prompt-tokens-details reached the server

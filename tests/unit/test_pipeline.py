@@ -72,7 +72,7 @@ def test_run_with_compose_writes_the_gate_table_into_the_folder(lm, tmp_path):
     assert len(list((tmp_path / "blocks").glob("*.safetensors"))) >= 1
     assert "compose" in manifest["wall_s"]
 
-    from kvprobe.reports.render import render_report
+    from kvprobe.reports.html import render_report
 
     html = render_report([tmp_path], tmp_path / "report.html").read_text()
     assert "Composition" in html

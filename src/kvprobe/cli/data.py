@@ -77,7 +77,7 @@ def check(model: str = typer.Option(..., help="model spec, see `kvprobe models`"
           per_case: bool = typer.Option(True, help="print the per-case table")) -> None:
     """Prefill every case with both values: accuracy, paired flip rate, logit shift, validity."""
     from kvprobe.datasets import resolve_dataset
-    from kvprobe.validity import check_cases, summarize
+    from kvprobe.probes.field_following import check_cases, summarize
 
     kwargs = {"few_shot": few_shot} if dataset in (None, "default") else {}
     cases = resolve_dataset(dataset, n=n, seed=seed, **kwargs)

@@ -9,12 +9,12 @@ import typer
 from rich.table import Table
 
 from kvprobe.cli.common import ALLOW_FAILED_TOY_HELP, console, load_with_status, progress_bar
-from kvprobe.kv.strategies import spec_grammar
+from kvprobe.editor.strategies import spec_grammar
 
 
 def edit(model: str = typer.Option(..., help="model spec, see `kvprobe models`"),
          dataset: str = typer.Option("default", help="'default' (generated) or a JSONL file of cases"),
-         strategies: str = typer.Option(",".join(__import__("kvprobe.editing").editing.DEFAULT_STRATEGIES),
+         strategies: str = typer.Option(",".join(__import__("kvprobe.editor.runner").editor.runner.DEFAULT_STRATEGIES),
                                         help=f"comma-separated strategy specs: {spec_grammar()}"),
          n: int = typer.Option(40, min=1, help="cases"), seed: int = 0,
          cot: str = typer.Option("0", help="comma-separated CoT token budgets (0 = no chain-of-thought)"),
@@ -26,9 +26,9 @@ def edit(model: str = typer.Option(..., help="model spec, see `kvprobe models`")
          out: Path = typer.Option(Path("results/edit"), help="results folder (resumable)")) -> None:
     """Run edit strategies on a model and dataset; writes edits.parquet and prints the summary."""
     from kvprobe.datasets import resolve_dataset
-    from kvprobe.editing import run_edits
+    from kvprobe.editor.runner import run_edits
     from kvprobe.errors import KvprobeError
-    from kvprobe.kv.edit import parse_strategy
+    from kvprobe.editor.strategies import parse_strategy
     from kvprobe.results import EDITS, CaseStore, atomic_write_json
 
     specs = [s for s in strategies.split(",") if s.strip()]

@@ -15,7 +15,7 @@ def report(results_dirs: list[Path] = typer.Argument(..., help="results folders 
                                                       "report.html for several)")) -> None:
     """Render the notes map, edit strategies, locality, linear probes, knockout, top-K, composition,
     serving and run facts into one HTML file with no external resources."""
-    from kvprobe.reports.render import render_report
+    from kvprobe.reports.html import render_report
 
     out = out or (results_dirs[0] / "report.html" if len(results_dirs) == 1 else Path("report.html"))
     path = render_report(list(results_dirs), out)

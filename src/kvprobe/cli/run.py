@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from kvprobe.cli.common import ALLOW_FAILED_TOY_HELP, console, load_with_status, progress_bar
-from kvprobe.kv.strategies import spec_grammar
+from kvprobe.editor.strategies import spec_grammar
 
 
 def _csv(value: str | None, cast=str) -> list | None:
@@ -69,7 +69,7 @@ def run(model: str | None = typer.Option(None, help="model spec (default: the bu
                   f"({manifest['wall_s']['total']:.0f} s)")
     _print_headline(out, cfg)
     if report:
-        from kvprobe.reports.render import render_report
+        from kvprobe.reports.html import render_report
 
         path = render_report([out], out / "report.html")
         console.print(f"report: {path}")
@@ -102,7 +102,7 @@ def export_topk(results_dir: Path = typer.Argument(..., help="a kvprobe run resu
                 out: Path | None = typer.Option(None, help="YAML path (default RESULTS_DIR/topk.yaml)"),
                 threshold: float = typer.Option(0.95, help="agreement with the oracle that K* must reach")) -> None:
     """Write the per-model top-K YAML (K*, ranking rule, token kinds, fingerprint) for serving."""
-    from kvprobe.export import export_topk as export
+    from kvprobe.editor.topk import export_topk as export
 
     path = export(results_dir, out, threshold)
     console.print(f"wrote {path}")

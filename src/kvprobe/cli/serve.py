@@ -76,7 +76,7 @@ def _fmt(x, digits: int = 2, scale: float = 1.0, unit: str = "") -> str:
 
 
 def print_summary(summary, ratios, title: str) -> None:
-    from kvprobe.serving.metrics import rate_label
+    from kvprobe.serving.measure import rate_label
 
     table = Table(title=title)
     for col in ("rate /s", "arm", "ok/n", "hit rate (metrics)", "hit rate (usage)", "agree", "ceiling",
@@ -131,7 +131,7 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
 
     from kvprobe.serving import bench, server
     from kvprobe.serving.client import ServerGone, normalize_url, served_models
-    from kvprobe.serving.metrics import parse_rates
+    from kvprobe.serving.measure import parse_rates
 
     try:
         cfg = bench.BenchConfig(model=model, rates=parse_rates(rates), n=n, max_s=max_s,

@@ -49,7 +49,7 @@ def validate(model: str = typer.Option(..., help="model spec, see `kvprobe model
     """Composed caches against full recompute: agreement, cosine and KL for every seam width."""
     import time
 
-    from kvprobe.kv.compose import run_compose, summarize_compose
+    from kvprobe.composer.gate import run_compose, summarize_compose
     from kvprobe.results import COMPOSE, CaseStore, atomic_write_json, atomic_write_parquet, claim_folder
 
     seam_list = sorted(set(_ints(seams, "--seams")) | {seam})

@@ -188,7 +188,7 @@ def _demos(rng: random.Random, domain: str, k: int, common: dict) -> list[Demo]:
 
 def vocabulary() -> list[str]:
     """Every token the generator, the renderer (raw form) and the errata can emit; sorted."""
-    from kvprobe.models.tokenizer import words
+    from kvprobe.datasets.words import words
 
     texts: list[str] = ["\n", *SCAFFOLD, *OPTIONS, ERRATUM, SHORT_ERRATUM]
     for name, pool in CONTROL_FIELDS.items():

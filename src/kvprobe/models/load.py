@@ -56,6 +56,17 @@ class LoadedModel:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def max_positions(self) -> int | None:
+        """The model's position range (None when its config does not say)."""
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+    def check_length(self, n_tokens: int, what: str = "context") -> None:
+        """Refuse ``n_tokens`` positions where the model has fewer (one line, the one length check)."""
+        limit = self.max_positions
+        if limit and n_tokens > limit:
+            raise KvprobeError(f"{what} of {n_tokens} tokens is longer than the model's window of {limit} positions")
+
     def config_hash(self) -> str:
         cfg = self.model.config.to_dict()
         cfg.pop("transformers_version", None)

@@ -14,7 +14,7 @@ import transformers
 
 from kvprobe.errors import KvprobeError
 from kvprobe.models.adapter import families
-from kvprobe.models.tokenizer import build_word_tokenizer
+from kvprobe.datasets.words import build_word_tokenizer
 
 TINY_SEED = 1234
 

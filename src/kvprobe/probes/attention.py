@@ -21,7 +21,7 @@ import torch
 
 from kvprobe.datasets import AlignedCase
 from kvprobe.errors import KvprobeError
-from kvprobe.kv import cache as C
+from kvprobe.kv import cache as kvcache
 from kvprobe.probes.base import region_of, register, rows, run_each
 
 ATTN_REGIONS = ("sink", "prefix", "field", "downstream", "decision")
@@ -32,8 +32,8 @@ def decision_attention(lm, a: AlignedCase) -> torch.Tensor:
     """The decision token's attention over the old prompt, (n_layers, H, D + 1)."""
     D = a.decision_pos
     ids = torch.tensor(a.ids_old, device=lm.device)
-    _, cache = C.prefill(lm.model, ids[:D], logits_to_keep=1)
-    out = C.forward(lm.model, ids[D:D + 1][None], cache, output_attentions=True)
+    _, cache = kvcache.prefill(lm.model, ids[:D], logits_to_keep=1)
+    out = kvcache.forward(lm.model, ids[D:D + 1][None], cache, output_attentions=True)
     if not out.attentions or out.attentions[0] is None:
         raise KvprobeError("the model returned no attention weights; load it with attn_implementation='eager'")
     att = torch.stack([w[0, :, -1] for w in out.attentions])  # (L, H, D + 1)

@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from kvprobe.datasets import AlignedCase
-from kvprobe.kv import cache as C
+from kvprobe.kv import cache as kvcache
 
 DEFAULT_BATCH_BYTES = 768 * 2**20  # memory budget for one batch of patched caches
 
@@ -48,15 +48,15 @@ class PairCaches:
     def build(cls, lm, a: AlignedCase) -> "PairCaches":
         """Prefill both prompts, sharing the computation of the identical prefix before the field."""
         D, f0 = a.decision_pos, a.field[0]
-        prefix = C.prefill(lm.model, torch.tensor(a.ids_old[:f0]), logits_to_keep=1)[1] if f0 else C.new_cache()
-        old, new = C.copy(prefix), C.copy(prefix)
+        prefix = kvcache.prefill(lm.model, torch.tensor(a.ids_old[:f0]), logits_to_keep=1)[1] if f0 else kvcache.new_cache()
+        old, new = kvcache.copy(prefix), kvcache.copy(prefix)
         for cache, ids in ((old, a.ids_old), (new, a.ids_new)):
-            C.forward(lm.model, torch.tensor([ids[f0:D]]), cache, logits_to_keep=1)
+            kvcache.forward(lm.model, torch.tensor([ids[f0:D]]), cache, logits_to_keep=1)
         return cls(a, old, new)
 
 
 def cache_bytes(cache: DynamicCache) -> int:
-    return sum(k.numel() * k.element_size() * 2 for k, _ in C.to_tensors(cache))
+    return sum(k.numel() * k.element_size() * 2 for k, _ in kvcache.to_tensors(cache))
 
 
 @torch.no_grad()
@@ -66,14 +66,14 @@ def read_batch(lm, caches: list[DynamicCache], token: int, position: int, visibl
 
     ``visible`` (B, 1, N) hides cache entries from the decision token (edge knockout).
     """
-    batch = C.concat(caches, dim="batch")
+    batch = kvcache.concat(caches, dim="batch")
     B = len(caches)
     ids = torch.full((B, 1), token)
     pos = torch.full((B, 1), position)
     if visible is None:
-        out = C.forward(lm.model, ids, batch, pos)
+        out = kvcache.forward(lm.model, ids, batch, pos)
     else:
-        out = C.masked_forward(lm, ids, batch, pos, visible=visible)
+        out = kvcache.masked_forward(lm, ids, batch, pos, visible=visible)
     return out.logits[:, -1]
 
 
@@ -82,7 +82,7 @@ def patched_reads(lm, pc: PairCaches, patches: Sequence[Patch], batch_bytes: int
                   ) -> torch.Tensor:
     """Decision logits (len(patches), V): one read per patched copy of the old cache, batched."""
     per = max(1, batch_bytes // max(1, cache_bytes(pc.old)))
-    old_kv, new_kv = C.to_tensors(pc.old), C.to_tensors(pc.new)
+    old_kv, new_kv = kvcache.to_tensors(pc.old), kvcache.to_tensors(pc.new)
     n_layers = len(old_kv)
     out = []
     for start in range(0, len(patches), per):
@@ -96,8 +96,8 @@ def patched_reads(lm, pc: PairCaches, patches: Sequence[Patch], batch_bytes: int
                     idx = torch.tensor(p.positions)
                     k[b, :, idx], v[b, :, idx] = k1[0, :, idx], v1[0, :, idx]
             layers.append((k, v))
-        batch = C.from_tensors(layers)
-        assert C.n_layers(batch) == n_layers
+        batch = kvcache.from_tensors(layers)
+        assert kvcache.n_layers(batch) == n_layers
         ids = torch.full((B, 1), pc.a.ids_old[pc.D])
-        out.append(C.forward(lm.model, ids, batch, torch.full((B, 1), pc.D)).logits[:, -1])
+        out.append(kvcache.forward(lm.model, ids, batch, torch.full((B, 1), pc.D)).logits[:, -1])
     return torch.cat(out)

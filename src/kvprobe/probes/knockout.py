@@ -45,9 +45,9 @@ import torch
 from transformers import DynamicCache
 
 from kvprobe.datasets import AlignedCase
-from kvprobe.decision import logit_diff, option_scores
+from kvprobe.kv.readout import logit_diff, option_scores
 from kvprobe.errors import KvprobeError
-from kvprobe.kv import cache as C
+from kvprobe.kv import cache as kvcache
 from kvprobe.probes.base import register, rows, run_each
 from kvprobe.probes.engine import DEFAULT_BATCH_BYTES, PairCaches, Patch, cache_bytes, patched_reads
 from kvprobe.probes.locality import targets
@@ -200,9 +200,9 @@ def _chunks(cache: DynamicCache, n: int, batch_bytes: int) -> Iterator[tuple[int
 
 def _read(lm, cache: DynamicCache, token: int, position: int, B: int) -> torch.Tensor:
     """Decision logits (B, V): ``token`` at ``position`` over B copies of a batch-1 ``cache``."""
-    batch = C.concat([cache] * B, dim="batch")
+    batch = kvcache.concat([cache] * B, dim="batch")
     ids, pos = torch.full((B, 1), token), torch.full((B, 1), position)
-    return C.masked_forward(lm, ids, batch, pos).logits[:, -1]
+    return kvcache.masked_forward(lm, ids, batch, pos).logits[:, -1]
 
 
 @torch.no_grad()
@@ -212,7 +212,7 @@ def knockout_reads(lm, cache: DynamicCache, token: int, position: int, hidden: t
 
     ``cache`` holds one prompt's positions [0, N) (batch 1) and is left untouched.
     """
-    assert hidden.ndim == 3 and hidden.shape[2] == C.seq_len(cache), (hidden.shape, C.seq_len(cache))
+    assert hidden.ndim == 3 and hidden.shape[2] == kvcache.seq_len(cache), (hidden.shape, kvcache.seq_len(cache))
     out = []
     for lo, hi in _chunks(cache, hidden.shape[0], batch_bytes):
         with attention_knockout(lm, hidden[lo:hi]):

@@ -37,9 +37,9 @@ import pandas as pd
 import torch
 
 from kvprobe.datasets import AlignedCase
-from kvprobe.decision import option_scores
+from kvprobe.kv.readout import option_scores
 from kvprobe.errors import KvprobeError
-from kvprobe.kv import cache as C
+from kvprobe.kv import cache as kvcache
 from kvprobe.probes.base import register, rows
 
 AGGREGATOR_KINDS = ("newline", "punct", "section")
@@ -92,12 +92,12 @@ def sample_features(lm, a: AlignedCase, ids: list[int], notes: Sequence[int]) ->
     D, (f0, f1) = a.decision_pos, a.field
     options = a.case.options
     with residual_hooks(lm) as resid:
-        cache = C.new_cache()
-        out = C.forward(lm.model, torch.tensor([ids[: D + 1]], device=lm.device), cache, logits_to_keep=1)
+        cache = kvcache.new_cache()
+        out = kvcache.forward(lm.model, torch.tensor([ids[: D + 1]], device=lm.device), cache, logits_to_keep=1)
     pred = int(option_scores(out.logits[0, -1].float().cpu(), a.option_ids, options).argmax())
     L = lm.adapter.n_layers
     res = torch.stack([r[0] for r in resid])  # (L, T, hidden)
-    kv = C.to_tensors(cache)
+    kv = kvcache.to_tensors(cache)
     keys = torch.stack([k[0].transpose(0, 1).flatten(1) for k, _ in kv])  # (L, T, H_kv*hd)
     vals = torch.stack([v[0].transpose(0, 1).flatten(1) for _, v in kv])
     field, note = list(range(f0, f1)), list(notes)

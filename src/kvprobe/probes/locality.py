@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 
 from kvprobe.datasets import AlignedCase
-from kvprobe.decision import answer_targets, logit_diff, option_scores
+from kvprobe.kv.readout import answer_targets, logit_diff, option_scores
 from kvprobe.probes.base import region_of, register, rows, run_each
 from kvprobe.probes.engine import PairCaches, Patch, patched_reads
 

@@ -1,5 +1,5 @@
-"""HTML reports: a pure function of results folders (see :mod:`kvprobe.reports.render`).
+"""HTML reports: a pure function of results folders (see :mod:`kvprobe.reports.html`).
 
 Nothing in the probes or the KV layer imports this package; the pipeline only calls
-:func:`kvprobe.reports.tokens.case_tokens` to store prompt tokens beside the results.
+:func:`kvprobe.datasets.tokens.case_tokens` to store prompt tokens beside the results.
 """

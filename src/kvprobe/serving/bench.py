@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from kvprobe.datasets import ERRATUM_TEMPLATES
 from kvprobe.errors import KvprobeError
 from kvprobe.results import SERVING, SERVING_MANIFEST, CaseStore, atomic_write_json
-from kvprobe.serving import metrics as M
+from kvprobe.serving import measure
 from kvprobe.serving.client import (Completion, ServerGone, get_json, scrape_metrics, served_models,
                                     stream_completion)
 from kvprobe.serving.prompts import ARMS, DEFAULT_POLICY_TOKENS, Policy, arm_values, build_policy
@@ -47,7 +47,7 @@ class BenchConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    rates: list[float] = M.parse_rates(DEFAULT_RATES)
+    rates: list[float] = measure.parse_rates(DEFAULT_RATES)
     n: int = Field(16, ge=1, le=10_000)  # requests per (rate, arm) run
     max_s: float = Field(60.0, gt=0)  # no new request after this many seconds of a run
     arms: list[str] = list(ARMS)
@@ -185,11 +185,11 @@ class Bench:
         self.policy: Policy = build_policy(self.tok, cfg.policy_tokens, cfg.seed, cfg.domain,
                                            template=resolve_template(cfg.erratum_template))
         self.served = pick_served(url, cfg.model)
-        samples = M.parse_prometheus(scrape_metrics(url))
-        self.has_counters = M.counter(samples, M.QUERIES) is not None
-        self.block_size = M.block_size_of(samples)
+        samples = measure.parse_prometheus(scrape_metrics(url))
+        self.has_counters = measure.counter(samples, measure.QUERIES) is not None
+        self.block_size = measure.block_size_of(samples)
         self.base_ids = self.policy.ids(self.tok)
-        self.ceiling = M.BlockCeiling(self.block_size or 1)
+        self.ceiling = measure.BlockCeiling(self.block_size or 1)
         self.oracle: dict[str, str] = {}
         self.store = CaseStore(self.out, TABLE)
         self.salt = secrets.token_hex(4)  # a resumed folder keeps its own (see _check_resume)
@@ -198,7 +198,7 @@ class Bench:
     def manifest(self) -> dict:
         p = self.policy
         e_ids = p.ids(self.tok, erratum_value=p.value_set[-1])
-        shared = M.shared_prefix(self.base_ids, e_ids)
+        shared = measure.shared_prefix(self.base_ids, e_ids)
         block = self.block_size or 0
         try:
             version = get_json(f"{self.url}/version").get("version")
@@ -212,7 +212,7 @@ class Bench:
                            "value_set": list(p.value_set), "form": p.form, "erratum_template": p.template,
                            "base_prompt_tokens": len(self.base_ids), "erratum_prompt_tokens": len(e_ids),
                            "erratum_shared_tokens": shared,
-                           "erratum_ceiling": M.static_ceiling(shared, len(e_ids), block) if block else None,
+                           "erratum_ceiling": measure.static_ceiling(shared, len(e_ids), block) if block else None,
                            "example_erratum": p.text(self.tok, erratum_value=p.value_set[-1])[-400:]}}
 
     def _check_resume(self) -> None:
@@ -271,7 +271,7 @@ class Bench:
     def run(self) -> Path:
         self._check_resume()
         if self.block_size is None:
-            raise KvprobeError(f"the server at {self.url} does not say its KV block size (no {M.CACHE_INFO} in "
+            raise KvprobeError(f"the server at {self.url} does not say its KV block size (no {measure.CACHE_INFO} in "
                                f"/metrics); kvprobe serve-bench needs a vLLM server")
         atomic_write_json(self.manifest(), self.out / SERVING_MANIFEST)
         self._replay()
@@ -279,14 +279,14 @@ class Bench:
         self._warm()
         try:
             for k, rate in enumerate(self.cfg.rates):
-                schedule = M.poisson_schedule(rate, self.cfg.n, self.cfg.seed + k)
+                schedule = measure.poisson_schedule(rate, self.cfg.n, self.cfg.seed + k)
                 for arm in self.cfg.arms:
-                    key = f"{M.rate_label(rate)}-{arm}"
+                    key = f"{measure.rate_label(rate)}-{arm}"
                     if self.store.done(key):
                         for _ in range(self.cfg.n):  # finished before: count it on the progress bar
                             self.advance()
                         continue
-                    self.progress(f"rate {M.rate_label(rate)}/s, {arm}")
+                    self.progress(f"rate {measure.rate_label(rate)}/s, {arm}")
                     self.store.save(key, self.run_one(rate, k, arm, schedule))
         except BaseException:  # an interrupt, a dead server: what finished is collected, then re-raised
             self.collect()
@@ -305,16 +305,16 @@ class Bench:
         cfg, p = self.cfg, self.policy
         values = arm_values(p, arm, cfg.n, start=k * cfg.n, seed=cfg.seed, salt=self.salt)
         prompts = [p.arm_prompt(self.tok, arm, v) for v in values]
-        before = M.parse_prometheus(scrape_metrics(self.url))
+        before = measure.parse_prometheus(scrape_metrics(self.url))
         results, sent, wall = fire(self.url, self.served, prompts, schedule, cfg.max_s, cfg.max_tokens, self.advance)
-        where = f"rate {M.rate_label(rate)}/s, arm {arm}"
+        where = f"rate {measure.rate_label(rate)}/s, arm {arm}"
         if any(c is not None and c.server_gone for c in results):
             self._gone_or_fail(next(c.error for c in results if c is not None and c.server_gone), where)
         try:
-            after = M.parse_prometheus(scrape_metrics(self.url))
+            after = measure.parse_prometheus(scrape_metrics(self.url))
         except ServerGone as exc:
             self._gone_or_fail(str(exc), where)
-        queries, hits = M.metrics_delta(before, after)
+        queries, hits = measure.metrics_delta(before, after)
         n_sent = sum(c is not None for c in results)
         ceilings = [self.ceiling.add(ids) if c is not None else 0 for ids, c in zip(prompts, results)]
         self._oracle_for([v for v, c in zip(values, results) if c is not None])
@@ -348,5 +348,5 @@ class Bench:
 def summarize_folder(out: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(per-run summary, erratum-vs-edit ratios) of a results folder's serving.parquet."""
     df = pd.read_parquet(Path(out) / SERVING)
-    summary = M.summarize(df)
-    return summary, M.ratios(summary)
+    summary = measure.summarize(df)
+    return summary, measure.ratios(summary)

@@ -11,7 +11,7 @@ import torch
 
 from kvprobe.datasets import SHORT_ERRATUM, erratum_text, generate, render_prompt
 from kvprobe.datasets.spans import option_ids
-from kvprobe.decision import option_scores
+from kvprobe.kv.readout import option_scores
 from kvprobe.toys.data import ToyData, unseen_cases, with_control_line, without_control_line
 
 EVAL_SEED = 10_001

@@ -7,7 +7,7 @@ import numpy as np
 from markupsafe import Markup
 
 from kvprobe.reports.figures import PALETTE, errbar, finite, new_figure, to_img
-from kvprobe.reports.load import TTFT, Run
+from kvprobe.reports.folder import TTFT, Run
 from kvprobe.reports.sections.registry import Section, register
 from kvprobe.reports.stats import Stat, mean_of
 from kvprobe.results import COMPOSE

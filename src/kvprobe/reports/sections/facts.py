@@ -3,7 +3,7 @@ and the composition run's manifests."""
 
 from __future__ import annotations
 
-from kvprobe.reports.load import Run
+from kvprobe.reports.folder import Run
 from kvprobe.reports.sections.registry import Section, register
 from kvprobe.results import MANIFEST
 

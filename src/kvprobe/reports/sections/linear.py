@@ -9,7 +9,7 @@ from markupsafe import Markup
 from matplotlib.ticker import MaxNLocator
 
 from kvprobe.reports.figures import PALETTE, finite, new_figure, to_img
-from kvprobe.reports.load import Run
+from kvprobe.reports.folder import Run
 from kvprobe.reports.sections.registry import Section, register
 from kvprobe.reports.stats import Stat, nanfloat
 from kvprobe.results import LINEAR

@@ -7,11 +7,11 @@ import pandas as pd
 from markupsafe import Markup, escape
 
 from kvprobe.reports.figures import finite
-from kvprobe.reports.load import Run
+from kvprobe.reports.folder import Run
 from kvprobe.reports.sections.common import decision_rows, guard, guard_note
 from kvprobe.reports.sections.registry import Section, register
 from kvprobe.reports.stats import Stat, nanfloat
-from kvprobe.reports.tokens import TOKENS
+from kvprobe.datasets.tokens import TOKENS
 from kvprobe.results import CONCENTRATION, LOCALITY, VALIDITY
 
 N_MAP_CASES = 3  # cases shown in the notes map

@@ -1,12 +1,12 @@
 """What a report section is, and the registry each section module adds its :class:`Section` to when
-imported, so that the page (:mod:`kvprobe.reports.render`) needs no list of sections of its own."""
+imported, so that the page (:mod:`kvprobe.reports.html`) needs no list of sections of its own."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvprobe.reports.load import Run
+from kvprobe.reports.folder import Run
 
 
 @dataclass(frozen=True)
@@ -16,7 +16,7 @@ class Section:
     ``title`` is shown after the section's number (its place in ``order`` among all registered
     sections); ``needs`` names what a folder lacks when ``build(run)`` returns None ("Not in this folder
     (no ...)"); ``build`` returns the context its ``template`` (a path under ``templates/``) draws from
-    as ``d``; ``tables`` are parquet files it reads that :mod:`kvprobe.reports.load` does not load
+    as ``d``; ``tables`` are parquet files it reads that :mod:`kvprobe.reports.folder` does not load
     already, so a section with a new table needs no edit elsewhere.
     """
 

@@ -10,7 +10,7 @@ import pandas as pd
 from markupsafe import Markup
 
 from kvprobe.reports.figures import PALETTE, finite, new_figure, to_img
-from kvprobe.reports.load import Run
+from kvprobe.reports.folder import Run
 from kvprobe.reports.sections.common import fmt
 from kvprobe.reports.sections.registry import Section, register
 from kvprobe.reports.stats import Stat, nanfloat
@@ -27,7 +27,7 @@ def _rate_text(rate: float) -> str:
 
 
 def build_serving(run: Run) -> dict | None:
-    from kvprobe.serving.metrics import ratios, summarize
+    from kvprobe.serving.measure import ratios, summarize
 
     df = run.table(SERVING)
     if df.empty:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvprobe.reports.figures import PALETTE, errbar, finite, new_figure, to_img
-from kvprobe.reports.load import Run
+from kvprobe.reports.folder import Run
 from kvprobe.reports.sections.registry import Section, register
 from kvprobe.reports.stats import Stat, nanfloat
 

@@ -17,8 +17,8 @@ import pandas as pd
 import torch
 
 from kvprobe.datasets import AlignedCase, EditCase, Skip, align
-from kvprobe.decision import answer_targets, logit_diff, option_scores
-from kvprobe.kv import cache as C
+from kvprobe.kv.readout import answer_targets, logit_diff, option_scores
+from kvprobe.kv import cache as kvcache
 
 CHECK_COLUMNS = ["case_id", "domain", "field", "control", "old_value", "new_value", "expected_old",
                  "expected_new", "pred_old", "pred_new", "correct_old", "correct_new", "flipped", "m_old",
@@ -32,9 +32,9 @@ def decision_logits_pair(model, a: AlignedCase) -> torch.Tensor:
     ids = torch.tensor([a.ids_old, a.ids_new])
     cache = None
     if start > 0:
-        _, cache = C.prefill(model, ids[:1, :start], logits_to_keep=1)
-        cache = C.expand_batch(cache, 2)
-    out = C.forward(model, ids[:, start:], cache if cache is not None else C.new_cache(),
+        _, cache = kvcache.prefill(model, ids[:1, :start], logits_to_keep=1)
+        cache = kvcache.expand_batch(cache, 2)
+    out = kvcache.forward(model, ids[:, start:], cache if cache is not None else kvcache.new_cache(),
                     positions=torch.arange(start, ids.shape[1]), logits_to_keep=1)
     return out.logits[:, -1]
 

@@ -2,7 +2,7 @@
 
 A folder is whatever ``kvprobe run`` or ``kvprobe validate`` wrote: ``manifest.json`` and the
 probe tables, and/or ``compose.parquet`` with ``compose_manifest.json``, optionally
-``tokens.parquet`` (:mod:`kvprobe.reports.tokens`) and ``ttft.parquet`` (:data:`TTFT`), and/or
+``tokens.parquet`` (:mod:`kvprobe.datasets.tokens`) and ``ttft.parquet`` (:data:`TTFT`), and/or
 ``serving.parquet`` with ``serving_manifest.json`` (``kvprobe serve-bench``).
 """
 
@@ -16,8 +16,8 @@ import pandas as pd
 import yaml
 
 from kvprobe.errors import KvprobeError
-from kvprobe.export import TOPK_FILE
-from kvprobe.reports.tokens import TOKENS
+from kvprobe.editor.topk import TOPK_FILE
+from kvprobe.datasets.tokens import TOKENS
 from kvprobe.results import (ATTENTION, COMPOSE, CONCENTRATION, EDITS, KNOCKOUT, LINEAR, LOCALITY, MANIFEST,
                              RANKING_RULE, SERVING, SERVING_MANIFEST, VALIDITY)
 

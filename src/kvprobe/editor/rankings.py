@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvprobe.errors import KvprobeError
-from kvprobe.kv import cache as C
+from kvprobe.kv import cache as kvcache
 
 if TYPE_CHECKING:
-    from kvprobe.kv.strategies import EditContext
+    from kvprobe.editor.context import EditContext
 
 RANKINGS = ("causal", "random", "attention", "recency", "aggregators")
 
@@ -20,8 +20,8 @@ RANKINGS = ("causal", "random", "attention", "recency", "aggregators")
 def decision_attention(ctx: EditContext) -> torch.Tensor:
     """The decision token's attention to each cache entry of the old prompt, mean over layers and heads (D,)."""
     if ctx._attention is None:
-        out = C.forward(ctx.lm.model, torch.tensor([[ctx.a.ids_old[ctx.D]]]), ctx.old_cache, output_attentions=True)
-        C.truncate_(ctx.old_cache, ctx.D)
+        out = kvcache.forward(ctx.lm.model, torch.tensor([[ctx.a.ids_old[ctx.D]]]), ctx.old_cache, output_attentions=True)
+        kvcache.truncate_(ctx.old_cache, ctx.D)
         if not out.attentions or out.attentions[0] is None:
             raise KvprobeError("the attention ranking needs attention weights; load the model with attn='eager'")
         ctx._attention = torch.stack([att[0, :, -1, : ctx.D] for att in out.attentions]).mean((0, 1))

@@ -1,34 +1,40 @@
-"""The KV editor: repair a prefilled cache of the old prompt after one field changed.
+"""Reading a decision from a repaired cache: feed the tail, optionally reason, read the logits.
 
-Every strategy starts from the same thing a serving engine holds: the cache of the old prompt
-``ids_old[:D]`` (D = the decision position; the decision token itself is fed at read time). It
-returns an :class:`Edited` state: a cache, the tokens still to feed, and what it cost. Reading
-the decision (:func:`decide`) feeds those tokens, optionally generates chain-of-thought tokens,
-and returns the decision logits; it never changes the strategy's cache entries.
-
-The strategies are typed classes in :mod:`kvprobe.kv.strategies` and the rankings of ``selective``
-are in :mod:`kvprobe.kv.rankings` (both re-exported here). A strategy is named by a
-spec string: ``stale``, ``field_only``, ``selective:K:RANKING``, ``cacheblend:R``, ``erratum`` (or
-``erratum:short``), ``field_erratum``, ``hoist``, ``oracle``.
+An :class:`Edited` state is what every repair returns (:mod:`kvprobe.editor.strategies`): a cache,
+the tokens still to feed, and what the repair cost. :func:`decide` feeds those tokens, optionally
+generates chain-of-thought tokens, and returns the decision logits; it never changes the cache's
+entries. :func:`decide_many` does the same for several caches, batched.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
-from kvprobe.kv import cache as C
-from kvprobe.kv.rankings import RANKINGS, decision_attention, rank_downstream
-from kvprobe.kv.strategies import (STRATEGIES, CacheBlend, Edited, EditContext, Erratum, FieldErratum, FieldOnly,
-                                   Hoist, Oracle, Selective, Stale, Strategy, apply, check_length, make_context,
-                                   parse_strategy, recompute_positions, register, spec_grammar)
+from kvprobe.kv import cache as kvcache
 
-__all__ = ["COT_CUE", "RANKINGS", "STRATEGIES", "CacheBlend", "EditContext", "Edited", "Erratum", "FieldErratum",
-           "FieldOnly", "Hoist", "Oracle", "Selective", "Stale", "Strategy", "apply", "check_length", "decide",
-           "decide_many", "decision_attention", "make_context", "parse_strategy", "rank_downstream",
-           "recompute_positions", "register", "spec_grammar"]
+
+@dataclass
+class Edited:
+    """A repaired cache plus the tokens still to feed before the decision is read.
+
+    ``cache`` holds ``n`` entries whose RoPE positions are 0..n-1; ``tail_ids`` are fed at
+    positions n.. (the last one is the decision token). ``recomputed`` counts tokens whose K/V
+    the repair computed, the tail included, the decision token excluded.
+    """
+
+    cache: DynamicCache
+    tail_ids: list[int]
+    recomputed: float
+    total: int
+    wall_s: float = 0.0
+    rewritten_prompt: bool = False
+    note: str = ""
+    setup_s: float = 0.0  # time spent building what a deployment would already hold (not a cost)
+
 
 COT_CUE = "\nAnswer:"
 
@@ -53,18 +59,18 @@ def decide_many(lm, edited: Sequence[Edited], cot_tokens: int = 0) -> list[tuple
         return [decide(lm, e, 0) for e in edited]
     groups: dict[tuple, list[int]] = {}
     for i, e in enumerate(edited):
-        groups.setdefault((C.seq_len(e.cache), tuple(e.tail_ids)), []).append(i)
+        groups.setdefault((kvcache.seq_len(e.cache), tuple(e.tail_ids)), []).append(i)
     rows: list[DynamicCache | None] = [None] * len(edited)
     first: list[torch.Tensor | None] = [None] * len(edited)
     for (_, tail), idx in groups.items():
-        cache = C.concat([edited[i].cache for i in idx], dim="batch")  # a copy
-        logits = C.forward(lm.model, torch.tensor([list(tail)] * len(idx)), cache, logits_to_keep=1).logits[:, -1]
+        cache = kvcache.concat([edited[i].cache for i in idx], dim="batch")  # a copy
+        logits = kvcache.forward(lm.model, torch.tensor([list(tail)] * len(idx)), cache, logits_to_keep=1).logits[:, -1]
         for r, i in enumerate(idx):
-            rows[i], first[i] = C.take_rows(cache, [r]), logits[r]
+            rows[i], first[i] = kvcache.take_rows(cache, [r]), logits[r]
 
     eos, cue = _eos_ids(lm), torch.tensor(lm.tokenizer.encode(COT_CUE, add_special_tokens=False))
-    cache, key_pos = C.left_pad(rows)
-    pos = torch.tensor([C.seq_len(c) for c in rows])  # the next token's position, per row
+    cache, key_pos = kvcache.left_pad(rows)
+    pos = torch.tensor([kvcache.seq_len(c) for c in rows])  # the next token's position, per row
     active = list(range(len(edited)))  # batch row -> index into ``edited``
     generated: list[list[int]] = [[] for _ in edited]
     out: list[tuple[torch.Tensor, str] | None] = [None] * len(edited)
@@ -77,16 +83,16 @@ def decide_many(lm, edited: Sequence[Edited], cot_tokens: int = 0) -> list[tuple
                 generated[i].append(nxt[r])
         if ended:  # read the answer after the cue, on a copy of those rows
             q = pos[ended, None] + torch.arange(len(cue))
-            read = C.masked_forward(lm, cue.expand(len(ended), -1), C.take_rows(cache, ended), q, key_pos[ended],
+            read = kvcache.masked_forward(lm, cue.expand(len(ended), -1), kvcache.take_rows(cache, ended), q, key_pos[ended],
                                     logits_to_keep=1)
             for j, r in enumerate(ended):
                 out[active[r]] = (read.logits[j, -1], lm.tokenizer.decode(generated[active[r]]))
             keep = [r for r in range(len(active)) if r not in ended]
             if not keep:
                 break
-            cache, key_pos, pos = C.take_rows(cache, keep), key_pos[keep], pos[keep]
+            cache, key_pos, pos = kvcache.take_rows(cache, keep), key_pos[keep], pos[keep]
             active, nxt = [active[r] for r in keep], [nxt[r] for r in keep]
-        logits = C.masked_forward(lm, torch.tensor(nxt)[:, None], cache, pos[:, None], key_pos).logits[:, -1]
+        logits = kvcache.masked_forward(lm, torch.tensor(nxt)[:, None], cache, pos[:, None], key_pos).logits[:, -1]
         key_pos, pos = torch.cat([key_pos, pos[:, None]], 1), pos + 1
     return out
 
@@ -98,9 +104,9 @@ def decide(lm, edited: Edited, cot_tokens: int = 0) -> tuple[torch.Tensor, str]:
 
     Returns (logits, generated text). The cache is restored to its entries afterwards.
     """
-    cache, n = edited.cache, C.seq_len(edited.cache)
+    cache, n = edited.cache, kvcache.seq_len(edited.cache)
     try:
-        out = C.forward(lm.model, torch.tensor([edited.tail_ids]), cache, logits_to_keep=1)
+        out = kvcache.forward(lm.model, torch.tensor([edited.tail_ids]), cache, logits_to_keep=1)
         logits = out.logits[0, -1]
         if not cot_tokens:
             return logits, ""
@@ -111,9 +117,9 @@ def decide(lm, edited: Edited, cot_tokens: int = 0) -> tuple[torch.Tensor, str]:
             if nxt in eos:
                 break
             generated.append(nxt)
-            logits = C.forward(lm.model, torch.tensor([[nxt]]), cache).logits[0, -1]
+            logits = kvcache.forward(lm.model, torch.tensor([[nxt]]), cache).logits[0, -1]
         cue = lm.tokenizer.encode(COT_CUE, add_special_tokens=False)
-        logits = C.forward(lm.model, torch.tensor([cue]), cache, logits_to_keep=1).logits[0, -1]
+        logits = kvcache.forward(lm.model, torch.tensor([cue]), cache, logits_to_keep=1).logits[0, -1]
         return logits, lm.tokenizer.decode(generated)
     finally:
-        C.truncate_(cache, n)
+        kvcache.truncate_(cache, n)

@@ -88,7 +88,7 @@ class ComposeSet:
 def _counter(tokenizer):
     """Tokens of one line (with its newline) under ``tokenizer``, or word-level tokens."""
     if tokenizer is None:
-        from kvprobe.models.tokenizer import words
+        from kvprobe.datasets.words import words
 
         return lambda line: len(words(line + "\n"))
     return lambda line: len(tokenizer.encode(line + "\n", add_special_tokens=False))

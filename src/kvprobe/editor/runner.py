@@ -12,32 +12,34 @@ from collections.abc import Callable, Sequence
 import pandas as pd
 
 from kvprobe.datasets import AlignedCase, EditCase, Skip, align
-from kvprobe.decision import answer_targets, logit_diff, option_scores
+from kvprobe.kv.readout import answer_targets, logit_diff, option_scores
 from kvprobe.errors import KvprobeError
-from kvprobe.kv import edit as E
+from kvprobe.editor.context import make_context
+from kvprobe.editor.strategies import Strategy, apply, parse_strategy
+from kvprobe.kv.decode import Edited, decide, decide_many
 from kvprobe.metrics import DEFAULT_MIN_FLIP, compare, recovery
 
 DEFAULT_STRATEGIES = ("stale", "field_only", "selective:8:attention", "selective:8:random", "cacheblend:0.15",
                       "erratum", "field_erratum", "hoist", "oracle")
 
 
-def edit_case(lm, a: AlignedCase, strategies: Sequence[E.Strategy], cot_tokens: int = 0,
+def edit_case(lm, a: AlignedCase, strategies: Sequence[Strategy], cot_tokens: int = 0,
               min_flip: float = DEFAULT_MIN_FLIP, ranking=None, seed: int = 0, model_name: str = "") -> pd.DataFrame:
     """Every strategy on one aligned case, against that case's stale and oracle reads."""
     case = a.case
     strategies = list({s.label: s for s in strategies}.values())  # one row per strategy, even if listed twice
-    ctx = E.make_context(lm, a, ranking=ranking, seed=seed)
+    ctx = make_context(lm, a, ranking=ranking, seed=seed)
     new_ans, old_ans = answer_targets(case)
 
-    wanted = {"stale": E.parse_strategy("stale"), "oracle": E.parse_strategy("oracle")}
+    wanted = {"stale": parse_strategy("stale"), "oracle": parse_strategy("oracle")}
     for s in strategies:
         wanted.setdefault(s.label, s)
-    applied: dict[str, E.Edited | KvprobeError] = {}
+    applied: dict[str, Edited | KvprobeError] = {}
     reads: dict[str, tuple] = {}
     decide_s: dict[str, float] = {}  # feeding the tail and reading the decision (no CoT only)
     for label, s in wanted.items():
         try:
-            applied[label] = E.apply(ctx, s)
+            applied[label] = apply(ctx, s)
         except KvprobeError as exc:
             if s.name != "hoist":  # a user error (bad K, too long): stop, do not tabulate
                 raise
@@ -45,12 +47,12 @@ def edit_case(lm, a: AlignedCase, strategies: Sequence[E.Strategy], cot_tokens: 
             continue
         if not cot_tokens:  # read at once and let the cache go (a K sweep holds dozens)
             start = time.perf_counter()
-            reads[label] = E.decide(lm, applied[label], 0)
+            reads[label] = decide(lm, applied[label], 0)
             decide_s[label] = time.perf_counter() - start
             applied[label] = dataclasses.replace(applied[label], cache=None)
     if cot_tokens:  # reasoning runs batched over the strategies
         ok = [label for label, e in applied.items() if not isinstance(e, KvprobeError)]
-        reads = dict(zip(ok, E.decide_many(lm, [applied[label] for label in ok], cot_tokens)))
+        reads = dict(zip(ok, decide_many(lm, [applied[label] for label in ok], cot_tokens)))
     stale_logits, oracle_logits = reads["stale"][0], reads["oracle"][0]
     m_stale = float(logit_diff(stale_logits, a.option_ids, new_ans, old_ans))
     m_oracle = float(logit_diff(oracle_logits, a.option_ids, new_ans, old_ans))
@@ -101,7 +103,7 @@ def run_edits(lm, cases: Sequence[EditCase], strategies: Sequence[str], cot: Seq
               model_name: str = "", store=None, on_case: Callable[[], None] = lambda: None
               ) -> tuple[pd.DataFrame, list[Skip]]:
     """All strategies x CoT settings over the cases; finished cases are kept in ``store`` (resume)."""
-    parsed = [E.parse_strategy(s) for s in strategies]
+    parsed = [parse_strategy(s) for s in strategies]
     frames, skipped = [], []
     for cot_tokens in cot:
         aligned, skips = align_all(lm, cases, form, cot=cot_tokens > 0)

@@ -15,11 +15,11 @@ from pathlib import Path
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
 from kvprobe.errors import KvprobeError
-from kvprobe.reports.load import Run, load_runs
+from kvprobe.reports.folder import Run, load_runs
 from kvprobe.reports.sections import SECTIONS, in_order
 from kvprobe.reports.sections.common import fmt
 from kvprobe.reports.stats import MAX_CI_WIDTH, MIN_N, RULE
-from kvprobe.reports.tokens import TOKENS
+from kvprobe.datasets.tokens import TOKENS
 
 TEMPLATE = "report.html"
 

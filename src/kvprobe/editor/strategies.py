@@ -30,85 +30,14 @@ from typing import ClassVar, get_type_hints
 import torch
 from transformers import DynamicCache
 
-from kvprobe.datasets import ERRATUM_TEMPLATES, AlignedCase, Skip, align, erratum_text, render_prompt
+from kvprobe.datasets import ERRATUM_TEMPLATES, Skip, align, erratum_text, render_prompt
 from kvprobe.datasets.spans import prompt_ids
+from kvprobe.editor.context import EditContext
+from kvprobe.editor.rankings import RANKINGS, rank_downstream
 from kvprobe.errors import KvprobeError
-from kvprobe.kv import cache as C
-from kvprobe.kv.rankings import RANKINGS, rank_downstream
-
-@dataclass
-class Edited:
-    """A repaired cache plus the tokens still to feed before the decision is read.
-
-    ``cache`` holds ``n`` entries whose RoPE positions are 0..n-1; ``tail_ids`` are fed at
-    positions n.. (the last one is the decision token). ``recomputed`` counts tokens whose K/V
-    this strategy computed, the tail included, the decision token excluded.
-    """
-
-    cache: DynamicCache
-    tail_ids: list[int]
-    recomputed: float
-    total: int
-    wall_s: float = 0.0
-    rewritten_prompt: bool = False
-    note: str = ""
-    setup_s: float = 0.0  # time spent building what a deployment would already hold (not a cost)
-
-
-@dataclass
-class EditContext:
-    """Everything a strategy may use for one case: the model, the aligned case, the old cache."""
-
-    lm: object
-    a: AlignedCase
-    old_cache: DynamicCache  # ids_old[:D], never modified
-    ranking: Callable[["EditContext"], list[int]] | None = None  # the causal ranking, if supplied
-    seed: int = 0
-    _attention: torch.Tensor | None = field(default=None, repr=False)
-
-    @property
-    def D(self) -> int:
-        return self.a.decision_pos
-
-
-def check_length(lm, n_tokens: int) -> None:
-    """Refuse a context longer than the model's position range."""
-    limit = getattr(lm.model.config, "max_position_embeddings", None)
-    if limit and n_tokens > limit:
-        raise KvprobeError(f"context of {n_tokens} tokens is longer than the model's window of {limit} positions")
-
-
-def make_context(lm, a: AlignedCase, ranking=None, seed: int = 0) -> EditContext:
-    """Prefill the old prompt (everything before the decision token) once for all strategies."""
-    check_length(lm, len(a.ids_old))
-    _, cache = C.prefill(lm.model, torch.tensor(a.ids_old[: a.decision_pos]), logits_to_keep=1)
-    return EditContext(lm, a, cache, ranking, seed)
-
-
-# -- the building block: recompute a set of positions against a partly stale cache -----------
-def recompute_positions(lm, cache: DynamicCache, ids: list[int], positions: list[int]) -> DynamicCache:
-    """A copy of ``cache`` whose entries at ``positions`` are recomputed from ``ids``.
-
-    Each recomputed token attends to the *stale* entries of the other positions before it and to
-    the other recomputed tokens before it (CacheBlend semantics). Recomputing every position from
-    the first changed one on therefore equals a fresh prefill.
-    """
-    work = C.copy(cache)
-    if not positions:
-        return work
-    n = C.seq_len(work)
-    sel = torch.tensor(sorted(positions))
-    assert int(sel.max()) < n, "positions must lie inside the cache"
-    visible = torch.ones(1, len(sel), n, dtype=torch.bool)
-    visible[:, :, sel] = False  # the recomputed tokens stand in for their stale entries
-    C.masked_forward(lm, torch.tensor([ids[p] for p in sel.tolist()])[None], work, sel[None], visible=visible,
-                     logits_to_keep=1)
-    for layer in range(C.n_layers(work)):
-        k, v = C.get_kv(work, layer)  # (1, H_kv, n + S, D)
-        k[:, :, sel], v[:, :, sel] = k[:, :, n:], v[:, :, n:]
-        C.set_kv(work, layer, k[:, :, :n], v[:, :, :n])
-    return work
-
+from kvprobe.kv import cache as kvcache
+from kvprobe.kv.decode import Edited
+from kvprobe.kv.recompute import recompute_positions
 
 # -- the registry and the spec grammar --------------------------------------------------------
 class Strategy(ABC):
@@ -202,7 +131,7 @@ def parse_strategy(spec: str, **defaults) -> Strategy:
 def apply(ctx: EditContext, strategy: Strategy | str) -> Edited:
     """Run one strategy on a case, timed. Neither the shared old-cache prefill nor a strategy's
     setup (what a deployment would already hold, e.g. hoist's rewritten prefix) is counted; the
-    tail fed at decision time is timed by :func:`~kvprobe.kv.edit.decide`'s caller."""
+    tail fed at decision time is timed by :func:`~kvprobe.kv.decode.decide`'s caller."""
     s = parse_strategy(strategy) if isinstance(strategy, str) else strategy
     start = time.perf_counter()
     edited = s.apply(ctx)
@@ -225,10 +154,10 @@ def _with_erratum(ctx: EditContext, template: str, base: DynamicCache, base_ids:
     text = render_prompt(a.case, ctx.lm.tokenizer, value_in_prompt, a.form,
                          erratum=erratum_text(a.case.field, a.case.new_value, template))
     ids = prompt_ids(ctx.lm.tokenizer, text, a.form)
-    check_length(ctx.lm, len(ids))
+    ctx.lm.check_length(len(ids))
     # Tokenizers can merge across the insertion point: reuse only the identical prefix.
     shared = next((i for i, (x, y) in enumerate(zip(ids, base_ids[: ctx.D])) if x != y), min(len(ids), ctx.D))
-    cache = C.crop(base, shared)
+    cache = kvcache.crop(base, shared)
     tail = ids[shared:]
     return Edited(cache, tail, extra_recomputed + len(tail) - 1, len(ids))
 
@@ -292,21 +221,21 @@ class CacheBlend(Strategy):
         lm, D = ctx.lm, ctx.D
         layers = lm.adapter.layers(lm.model)
         check_layer = min(self.check_layer, len(layers) - 1)
-        probe = C.new_cache()
+        probe = kvcache.new_cache()
 
         def stop(module, args):
             raise _StopForward
 
         handle = layers[check_layer + 1].register_forward_pre_hook(stop) if check_layer + 1 < len(layers) else None
         try:
-            C.forward(lm.model, torch.tensor([ctx.a.ids_new[:D]]), probe)
+            kvcache.forward(lm.model, torch.tensor([ctx.a.ids_new[:D]]), probe)
         except _StopForward:
             pass
         finally:
             if handle is not None:
                 handle.remove()
-        k_new, v_new = C.get_kv(probe, check_layer)
-        k_old, v_old = C.get_kv(ctx.old_cache, check_layer)
+        k_new, v_new = kvcache.get_kv(probe, check_layer)
+        k_old, v_old = kvcache.get_kv(ctx.old_cache, check_layer)
         deviation = ((k_new - k_old) ** 2).sum((0, 1, 3)) + ((v_new - v_old) ** 2).sum((0, 1, 3))  # (D,)
         n = max(1, round(self.ratio * D))
         chosen = torch.argsort(deviation, descending=True, stable=True)[:n].tolist()
@@ -363,7 +292,7 @@ class Hoist(Strategy):
         f0, D = hoisted.field[0], hoisted.decision_pos
         start = time.perf_counter()
         # the deployment's cached prefix
-        _, cache = C.prefill(ctx.lm.model, torch.tensor(hoisted.ids_old[:f0]), logits_to_keep=1)
+        _, cache = kvcache.prefill(ctx.lm.model, torch.tensor(hoisted.ids_old[:f0]), logits_to_keep=1)
         return Edited(cache, hoisted.ids_new[f0 : D + 1], D - f0, D + 1, rewritten_prompt=True,
                       setup_s=time.perf_counter() - start)
 
@@ -374,5 +303,5 @@ class Oracle(Strategy):
     """A full re-prefill of the new prompt."""
 
     def apply(self, ctx: EditContext) -> Edited:
-        _, cache = C.prefill(ctx.lm.model, torch.tensor(ctx.a.ids_new[: ctx.D]), logits_to_keep=1)
+        _, cache = kvcache.prefill(ctx.lm.model, torch.tensor(ctx.a.ids_new[: ctx.D]), logits_to_keep=1)
         return Edited(cache, [ctx.a.ids_new[ctx.D]], ctx.D, ctx.D + 1)

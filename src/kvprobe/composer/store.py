@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
+from kvprobe.composer.blocks import Block, _dtype_name, check_block
 from kvprobe.errors import KvprobeError
-from kvprobe.kv.compose import Block, _dtype_name
 
 FORMAT = "kvprobe-block/1"
 SUFFIX = ".kvblock.safetensors"
@@ -69,8 +69,6 @@ def _checksum(header: dict, tensors: dict[str, torch.Tensor]) -> str:
 def save_block(block: Block, lm, path: Path | str) -> Path:
     """Write ``block`` (precompiled by ``lm``) to ``path`` atomically; returns the path."""
     from safetensors.torch import save_file
-
-    from kvprobe.kv.compose import check_block
 
     check_block(lm, block)
     fp = fingerprint(lm)

@@ -1,0 +1,138 @@
+"""Blocks: a span of tokens prefilled once, alone behind a preamble, ready to splice (see
+:mod:`kvprobe.composer`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from kvprobe.errors import KvprobeError
+from kvprobe.kv import cache as kvcache
+from kvprobe.models import rope
+
+SEAMS = (0, 1, 2, 4, 8, 16, 32)  # seam-repair widths the validation reports
+
+
+@dataclass(eq=False)
+class Block:
+    """A precompiled block: its tokens and per-layer (keys, values), each (1, H_kv, T, D).
+
+    The K/V were computed at RoPE positions ``start .. start + T - 1`` (behind ``preamble``,
+    whose own K/V are not kept). ``config_hash`` and ``dtype`` name the model they belong to.
+    """
+
+    ids: list[int]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    start: int
+    preamble: list[int]
+    config_hash: str
+    dtype: str
+    name: str = ""
+    _rotated: dict = field(default_factory=dict, repr=False)  # delta -> rotated keys, per layer
+
+    def __post_init__(self):
+        check_block_shape(self)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def positions(self) -> list[int]:
+        return list(range(self.start, self.start + len(self.ids)))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv)
+
+    def keys_at(self, lm, position: int) -> list[torch.Tensor]:
+        """Per layer: the keys (1, H_kv, T, D) moved to start at ``position`` (memoised per shift)."""
+        delta = position - self.start
+        if delta == 0:
+            return [k for k, _ in self.kv]
+        if delta not in self._rotated:
+            self._rotated.clear()  # keep one shift only: blocks can be large
+            self._rotated[delta] = [rope.rerotate(k, delta, rope.inv_freq(lm.adapter, layer, k.device))
+                                    for layer, (k, _) in enumerate(self.kv)]
+        return self._rotated[delta]
+
+
+def check_block_shape(block: Block) -> None:
+    """Refuse K/V that do not hold exactly one (1, H_kv, T, D) entry per block token."""
+    T = len(block.ids)
+    if T == 0:
+        raise KvprobeError(f"block {block.name or '(unnamed)'} has no tokens")
+    for layer, (k, v) in enumerate(block.kv):
+        if k.ndim != 4 or v.ndim != 4 or k.shape[0] != 1 or k.shape[:3] != v.shape[:3]:
+            raise KvprobeError(f"block {block.name or '(unnamed)'} layer {layer}: K/V must be (1, H_kv, T, D), "
+                               f"got {tuple(k.shape)} and {tuple(v.shape)}")
+        if k.shape[2] != T:
+            why = (" (taken from an evicting sliding-window cache? precompile into a full-length cache)"
+                   if k.shape[2] < T else "")
+            raise KvprobeError(f"block {block.name or '(unnamed)'} layer {layer} holds K/V for {k.shape[2]} "
+                               f"positions but has {T} tokens{why}; refusing to splice it")
+
+
+def _dtype_name(lm) -> str:
+    return str(next(lm.model.parameters()).dtype).removeprefix("torch.")
+
+
+def check_composable(lm) -> None:
+    """Refuse a model whose keys cannot be re-rotated (its load-time self-check failed)."""
+    if lm.info.rope_unsupported:
+        raise KvprobeError(f"cannot compose caches for {lm.info.spec}: {lm.info.rope_unsupported}")
+
+
+def check_block(lm, block: Block) -> None:
+    """Refuse a block that belongs to another model or dtype, or has the wrong shape."""
+    if block.config_hash != lm.config_hash():
+        raise KvprobeError(f"block {block.name or '(unnamed)'} was precompiled for another model "
+                           f"(config {block.config_hash}, this model {lm.config_hash()}); precompile it again")
+    if block.dtype != _dtype_name(lm):
+        raise KvprobeError(f"block {block.name or '(unnamed)'} is {block.dtype} but the model is {_dtype_name(lm)}; "
+                           f"precompile it again in the model's dtype")
+    if len(block.kv) != lm.adapter.n_layers:
+        raise KvprobeError(f"block {block.name or '(unnamed)'} has {len(block.kv)} layers, the model "
+                           f"{lm.adapter.n_layers}")
+    want = (lm.adapter.n_kv_heads, lm.adapter.head_dim)
+    if any((k.shape[1], k.shape[3]) != want for k, _ in block.kv):
+        raise KvprobeError(f"block {block.name or '(unnamed)'} K/V do not have the model's {want[0]} kv heads "
+                           f"of dim {want[1]}")
+    check_block_shape(block)
+
+
+@torch.no_grad()
+def precompile(lm, ids: Sequence[int], preamble: Sequence[int] = (), name: str = "") -> Block:
+    """The K/V of ``ids`` computed in isolation behind ``preamble`` (positions len(preamble)..).
+
+    Prefills ``preamble + ids`` into a fresh full-length cache (never the model's own, which
+    evicts on sliding-window layers) and keeps the block's entries, copied and contiguous.
+    """
+    check_composable(lm)
+    ids, preamble = [int(i) for i in ids], [int(i) for i in preamble]
+    if not ids:
+        raise KvprobeError(f"block {name or '(unnamed)'} has no tokens")
+    lm.check_length(len(preamble) + len(ids), f"block {name or '(unnamed)'} with its preamble")
+    cache = kvcache.new_cache()
+    kvcache.forward(lm.model, torch.tensor([preamble + ids], device=lm.device), cache, logits_to_keep=1)
+    P = len(preamble)
+    kv = [(k[:, :, P:].contiguous(), v[:, :, P:].contiguous()) for k, v in kvcache.to_tensors(cache)]
+    return Block(ids, kv, P, preamble, lm.config_hash(), _dtype_name(lm), name)
+
+
+def block_from_cache(lm, cache: DynamicCache, ids: Sequence[int], start: int, name: str = "") -> Block:
+    """A block of the entries [start, start + len(ids)) of an existing cache (e.g. the jointly
+    computed KV of a full prefill). Refuses a cache that holds fewer entries than that on any
+    layer (the model's own sliding-window cache does)."""
+    ids = [int(i) for i in ids]
+    kv = []
+    for layer, (k, v) in enumerate(kvcache.to_tensors(cache)):
+        if k.shape[2] < start + len(ids):
+            raise KvprobeError(f"cache layer {layer} holds {k.shape[2]} positions, fewer than the "
+                               f"{start + len(ids)} the block needs (an evicting sliding-window cache?); "
+                               f"prefill into a full-length cache (kvprobe.kv.cache.new_cache)")
+        kv.append((k[:, :, start : start + len(ids)].clone(), v[:, :, start : start + len(ids)].clone()))
+    return Block(ids, kv, start, [], lm.config_hash(), _dtype_name(lm), name)
+

@@ -1,0 +1,35 @@
+"""What every edit strategy starts from: the model, the aligned case and the old prompt's cache."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from kvprobe.datasets import AlignedCase
+from kvprobe.kv import cache as kvcache
+
+
+@dataclass
+class EditContext:
+    """Everything a strategy may use for one case: the model, the aligned case, the old cache."""
+
+    lm: object
+    a: AlignedCase
+    old_cache: DynamicCache  # ids_old[:D], never modified
+    ranking: Callable[["EditContext"], list[int]] | None = None  # the causal ranking, if supplied
+    seed: int = 0
+    _attention: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def D(self) -> int:
+        return self.a.decision_pos
+
+
+def make_context(lm, a: AlignedCase, ranking=None, seed: int = 0) -> EditContext:
+    """Prefill the old prompt (everything before the decision token) once for all strategies."""
+    lm.check_length(len(a.ids_old))
+    _, cache = kvcache.prefill(lm.model, torch.tensor(a.ids_old[: a.decision_pos]), logits_to_keep=1)
+    return EditContext(lm, a, cache, ranking, seed)
