@@ -4,10 +4,8 @@ Stages, each resumable (per-case parts are kept under ``parts/``; a finished tab
 recomputed)::
 
     validity     prefill every case with both values; keep the valid ones
-    locality     single-position sweep and named patch sets, per valid decision case
-    attention    the decision token's attention shares
-    knockout     attention-edge knockout and head patching
-    linear       linear probes across cases (write depth, commit depth)
+    probes       every registered probe the config names (kvprobe.probes.STAGES), in dependency
+                 order: locality, attention, knockout, linear
     ranking      learn the causal ranking rule on half of the valid cases
     edits        every strategy on the valid cases; selective(K) sweeps on the held-out half
     compose      (with ``compose: N``) the composition gate on N queries, as ``kvprobe validate``
@@ -28,16 +26,17 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvprobe.datasets import ERRATUM, ERRATUM_TEMPLATES, Skip, align, resolve_dataset
-from kvprobe.editor.runner import DEFAULT_STRATEGIES, edit_case
-from kvprobe.errors import KvprobeError
 from kvprobe.editor.rankings import RANKINGS
+from kvprobe.editor.runner import DEFAULT_STRATEGIES, edit_case
 from kvprobe.editor.strategies import Strategy, parse_strategy
-from kvprobe.results import (ATTENTION, COMPOSE, CONCENTRATION, EDITS, KNOCKOUT, LINEAR, LOCALITY, MANIFEST,
+from kvprobe.errors import KvprobeError
+from kvprobe.probes import STAGES, Inputs, in_order
+from kvprobe.results import (COMPOSE, EDITS, MANIFEST,
                              RANKING_RULE, TOKENS, VALIDITY, CaseStore, atomic_write_json, atomic_write_parquet,
                              claim_folder)
 
 DEFAULT_MODEL = "toy-qwen2"
-ALL_PROBES = ("locality", "attention", "knockout", "linear")
+ALL_PROBES = tuple(STAGES)  # every registered probe, in registration order
 
 
 class RunConfig(BaseModel):
@@ -69,9 +68,9 @@ class RunConfig(BaseModel):
     @field_validator("probes")
     @classmethod
     def _probes(cls, v: list[str]) -> list[str]:
-        bad = [p for p in v if p not in ALL_PROBES]
+        bad = [p for p in v if p not in STAGES]  # read at validation time: a probe registered later counts
         if bad:
-            raise ValueError(f"unknown probe(s) {bad}; accepted: {', '.join(ALL_PROBES)}")
+            raise ValueError(f"unknown probe(s) {bad}; accepted: {', '.join(STAGES)}")
         return v
 
     @field_validator("strategies")
@@ -178,6 +177,32 @@ def _per_case(store: CaseStore, items, fn, tick) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
+def run_probes(cfg: RunConfig, lm, valid: list, out: Path, stages: Stages) -> dict[str, pd.DataFrame]:
+    """Every registered probe the config names, in dependency order, into ``out``; their tables by name.
+
+    A per-case probe keeps each finished case under ``parts/<name>/`` (an interrupted run resumes
+    there); a probe across cases is not rerun once its table exists.
+    """
+    tables: dict[str, pd.DataFrame] = {}
+    for stage in in_order(cfg.probes):
+        probe = stage.build(Inputs(cfg.seed, cfg.model, tables))
+        if stage.per_case:
+            tick = stages.progress(stage.name, len(valid))
+            table = stages.run(stage.name, lambda: _per_case(
+                CaseStore(out, stage.name), [(a.case.case_id, a) for a in valid], lambda a: probe.run_case(lm, a),
+                tick))
+        elif (out / stage.table).exists():
+            table = pd.read_parquet(out / stage.table)
+        else:
+            tick = stages.progress(stage.name, 1)
+            table = stages.run(stage.name, lambda: probe.run(lm, valid))
+            tick()
+        tables[stage.name] = table
+        for file, df in {stage.table: table, **stage.derived(table)}.items():
+            atomic_write_parquet(df, out / file)
+    return tables
+
+
 def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
     """Run everything ``cfg`` asks for into ``out``; returns the manifest."""
     from kvprobe.models import load_model
@@ -223,49 +248,8 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
 
     atomic_write_parquet(case_tokens(lm, valid + [aligned[c] for c in control_ids]), out / TOKENS)
 
-    tables: dict[str, pd.DataFrame] = {}
-    locality = pd.DataFrame()
-    if "locality" in cfg.probes:
-        from kvprobe.probes.locality import Locality
-
-        probe = Locality(seed=cfg.seed, model_name=name)
-        tick = progress("locality", len(valid))
-        locality = stages.run("locality", lambda: _per_case(
-            CaseStore(out, "locality"), [(a.case.case_id, a) for a in valid], lambda a: probe.run_case(lm, a), tick))
-        atomic_write_parquet(locality, out / LOCALITY)
-        from kvprobe.probes.concentration import concentration
-
-        tables[CONCENTRATION] = concentration(locality)
-    if "attention" in cfg.probes:
-        from kvprobe.probes.attention import Attention
-
-        probe = Attention(model_name=name)
-        tick = progress("attention", len(valid))
-        tables[ATTENTION] = stages.run("attention", lambda: _per_case(
-            CaseStore(out, "attention"), [(a.case.case_id, a) for a in valid], lambda a: probe.run(lm, [a]), tick))
-    ranked = top_notes(locality, k=None)
-    notes = {c: p[:8] for c, p in ranked.items()}
-    if "knockout" in cfg.probes:
-        from kvprobe.probes.knockout import EdgeKnockout, HeadPatch
-
-        probes = [EdgeKnockout(top_positions=ranked or None, seed=cfg.seed, model_name=name),
-                  HeadPatch(seed=cfg.seed, model_name=name)]
-        tick = progress("knockout", len(valid))
-        tables[KNOCKOUT] = stages.run("knockout", lambda: _per_case(
-            CaseStore(out, "knockout"), [(a.case.case_id, a) for a in valid],
-            lambda a: pd.concat([p.run(lm, [a]) for p in probes], ignore_index=True), tick))
-    if "linear" in cfg.probes:
-        from kvprobe.probes.linear import Linear
-
-        if (out / LINEAR).exists():
-            tables[LINEAR] = pd.read_parquet(out / LINEAR)
-        else:
-            tick = progress("linear", 1)
-            tables[LINEAR] = stages.run("linear", lambda: Linear(model_name=name, notes=notes or None)
-                                        .run(lm, valid))
-            tick()
-    for file, df in tables.items():
-        atomic_write_parquet(df, out / file)
+    tables = run_probes(cfg, lm, valid, out, stages)
+    locality = tables.get("locality", pd.DataFrame())
 
     # the causal ranking rule, learned on the ranking half only
     from kvprobe.editor.topk import export_topk, kinds_of_top
@@ -353,14 +337,3 @@ def _invalid_reasons(validity: pd.DataFrame) -> dict:
     reasons = (bad.correct_old.map({True: "", False: "wrong under old value"}) + " " +
                bad.correct_new.map({True: "", False: "wrong under new value"})).str.strip()
     return reasons.value_counts().to_dict()
-
-
-def top_notes(locality: pd.DataFrame, k: int | None = 8) -> dict[str, list[int]]:
-    """Per case, downstream positions by single-position patch effect toward the oracle, largest
-    first (the notes); the first ``k`` (None: all)."""
-    if locality.empty:
-        return {}
-    sweep = locality[(locality.metric == "effect") & (locality.set == "single") & (locality.region == "downstream")]
-    sweep = sweep.assign(signed=sweep.value * sweep.oracle_flip.map(lambda f: 1.0 if f >= 0 else -1.0))
-    return {c: g.sort_values("signed", ascending=False, kind="stable").position.astype(int).tolist()[:k]
-            for c, g in sweep.groupby("case_id")}

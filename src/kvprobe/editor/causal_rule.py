@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from kvprobe.datasets import AlignedCase
+from kvprobe.probes.base import single_position_sweep
 
 
 def bucket(distance: int) -> int:
@@ -51,7 +52,7 @@ class RankingRule:
 
 def fit_rule(locality: pd.DataFrame, aligned: Mapping[str, AlignedCase], min_flip: float = 1.0) -> RankingRule:
     """Learn the rule from single-position sweep rows of the given cases (small flips are dropped)."""
-    sweep = locality[(locality.metric == "effect") & (locality.set == "single") & (locality.region == "downstream")]
+    sweep = single_position_sweep(locality, "downstream")
     sweep = sweep[sweep.case_id.isin(aligned) & (sweep.oracle_flip.abs() >= min_flip)]
     if sweep.empty:
         return RankingRule({}, 0)

@@ -1,7 +1,9 @@
-"""Causal probes in cache space. Each probe module registers itself in :data:`PROBES`."""
+"""Causal probes in cache space. Each probe module registers its stage in :data:`STAGES`,
+which ``kvprobe run`` iterates (:func:`in_order`)."""
 
-from kvprobe.probes.base import PROBES, RESULT_COLUMNS, Probe, register
+from kvprobe.probes import locality, attention, knockout, linear  # noqa: F401, I001  (registers, in this order)
+from kvprobe.probes.base import RESULT_COLUMNS, STAGES, Inputs, Probe, ProbeStage, in_order, register
 from kvprobe.probes.engine import PairCaches, Patch, patched_reads, read_batch
-from kvprobe.probes import attention, knockout, linear, locality  # noqa: F401  (registers)
 
-__all__ = ["PROBES", "RESULT_COLUMNS", "PairCaches", "Patch", "Probe", "patched_reads", "read_batch", "register"]
+__all__ = ["RESULT_COLUMNS", "STAGES", "Inputs", "PairCaches", "Patch", "Probe", "ProbeStage", "in_order",
+           "patched_reads", "read_batch", "register"]

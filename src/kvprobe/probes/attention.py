@@ -22,7 +22,8 @@ import torch
 from kvprobe.datasets import AlignedCase
 from kvprobe.errors import KvprobeError
 from kvprobe.kv import cache as kvcache
-from kvprobe.probes.base import region_of, register, rows, run_each
+from kvprobe.probes.base import Inputs, ProbeStage, region_of, register, rows, run_each
+from kvprobe.results import ATTENTION
 
 ATTN_REGIONS = ("sink", "prefix", "field", "downstream", "decision")
 
@@ -51,7 +52,6 @@ def region_shares(a: AlignedCase, att: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
-@register
 @dataclass(frozen=True)
 class Attention:
     """The decision token's attention share by region, per layer and head (old prompt)."""
@@ -79,3 +79,10 @@ class Attention:
         df = rows(self.model_name, a.case.case_id, self.name, records)
         df["control"] = a.case.control
         return df
+
+
+def _build(inputs: Inputs) -> Attention:
+    return Attention(model_name=inputs.model_name)
+
+
+STAGE = register(ProbeStage("attention", ATTENTION, _build))

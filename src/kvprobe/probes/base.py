@@ -1,14 +1,22 @@
-"""The probe protocol, registry and the shared tidy-table columns.
+"""The probe protocol, the registry that ``kvprobe run`` iterates, and the shared tidy columns.
 
-A probe is a small pure unit: a frozen dataclass whose ``run(lm, pairs)`` returns a long/tidy
-DataFrame with :data:`RESULT_COLUMNS` (plus probe-specific extras). No file I/O, no printing,
-no report calls inside a probe.
+A probe is a small pure unit: a frozen dataclass whose ``run_case(lm, case)`` (or, across cases,
+``run(lm, cases)``) returns a long/tidy DataFrame with :data:`RESULT_COLUMNS` (plus probe-specific
+extras). No file I/O, no printing, no report calls inside a probe.
+
+Each probe module registers a :class:`ProbeStage`: the name a run config uses, the table it
+writes, the probes whose tables it reads (``needs``), how to build the probe from the run's
+:class:`Inputs`, and the id of the report section that draws its table. The run loops over
+:func:`in_order`; the report draws every section whose table a folder has. Adding a probe is
+one module here, one section (module + template) in :mod:`kvprobe.reports.sections` and a test
+(docs/extending.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import pandas as pd
 
@@ -25,13 +33,60 @@ class Probe(Protocol):
     def run(self, lm, pairs: Sequence[AlignedCase]) -> pd.DataFrame: ...
 
 
-PROBES: dict[str, type] = {}
+@dataclass(frozen=True)
+class Inputs:
+    """What a run hands a probe stage when it builds the probe."""
+
+    seed: int
+    model_name: str
+    tables: Mapping[str, pd.DataFrame] = field(default_factory=dict)  # stage name -> table, of earlier stages
+
+    def table(self, name: str) -> pd.DataFrame:
+        """The table of an earlier stage; empty when it did not run."""
+        return self.tables.get(name, pd.DataFrame())
 
 
-def register(cls):
-    """Class decorator: add a probe class to :data:`PROBES` under its ``name``."""
-    PROBES[cls.name] = cls
-    return cls
+@dataclass(frozen=True)
+class ProbeStage:
+    """How ``kvprobe run`` runs one probe (see the module docstring)."""
+
+    name: str  # the name in RunConfig.probes
+    table: str  # the results file it writes
+    build: Callable[[Inputs], Any]  # -> an object with run_case(lm, case), or run(lm, cases) if not per_case
+    per_case: bool = True  # False: one run over every case (stored whole, not in per-case parts)
+    needs: tuple[str, ...] = ()  # stages that run first; their tables reach build() when they ran
+    sections: tuple[str, ...] = ()  # ids of the report sections that draw the table
+    derived: Callable[[pd.DataFrame], dict[str, pd.DataFrame]] = lambda table: {}  # more files from the table
+
+
+STAGES: dict[str, ProbeStage] = {}
+
+
+def register(stage: ProbeStage) -> ProbeStage:
+    """Add a probe stage to :data:`STAGES` (once per name); returns it."""
+    if stage.name in STAGES:
+        raise ValueError(f"probe stage {stage.name!r} is registered twice")
+    STAGES[stage.name] = stage
+    return stage
+
+
+def in_order(names: Iterable[str]) -> list[ProbeStage]:
+    """The named stages in registration order, each after the stages it needs."""
+    wanted, done, out = set(names), set(), []
+
+    def visit(stage: ProbeStage) -> None:
+        if stage.name in done:
+            return
+        done.add(stage.name)
+        for need in stage.needs:
+            if need in wanted:
+                visit(STAGES[need])
+        out.append(stage)
+
+    for stage in STAGES.values():
+        if stage.name in wanted:
+            visit(stage)
+    return out
 
 
 def run_each(probe, lm, pairs: Sequence[AlignedCase]) -> pd.DataFrame:
@@ -49,3 +104,23 @@ def rows(model: str, case_id: str, probe: str, records: list[dict]) -> pd.DataFr
     df["model"], df["case_id"], df["probe"] = model, case_id, probe
     extras = [c for c in df.columns if c not in RESULT_COLUMNS]
     return df[RESULT_COLUMNS + extras]
+
+
+def single_position_sweep(locality: pd.DataFrame, region: str | None = None) -> pd.DataFrame:
+    """The locality table's single-position sweep (metric ``effect``, set ``single``): one row per
+    cache position of each case; only ``region``'s positions when given."""
+    if locality.empty:
+        return locality
+    sweep = locality[(locality["metric"] == "effect") & (locality["set"] == "single")]
+    return sweep if region is None else sweep[sweep["region"] == region]
+
+
+def top_notes(locality: pd.DataFrame, k: int | None = 8) -> dict[str, list[int]]:
+    """Per case, downstream positions by single-position patch effect toward the oracle, largest
+    first (the notes); the first ``k`` (None: all)."""
+    sweep = single_position_sweep(locality, "downstream")
+    if sweep.empty:
+        return {}
+    sweep = sweep.assign(signed=sweep.value * sweep.oracle_flip.map(lambda f: 1.0 if f >= 0 else -1.0))
+    return {c: g.sort_values("signed", ascending=False, kind="stable").position.astype(int).tolist()[:k]
+            for c, g in sweep.groupby("case_id")}

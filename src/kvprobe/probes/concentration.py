@@ -23,7 +23,7 @@ import pandas as pd
 
 from kvprobe.datasets import KINDS
 from kvprobe.metrics import DEFAULT_MIN_FLIP, mean_ci
-from kvprobe.probes.base import rows
+from kvprobe.probes.base import rows, single_position_sweep
 
 PROBE = "concentration"
 SPAN_REGIONS = ("sink", "prefix", "field", "downstream")
@@ -68,7 +68,7 @@ def case_concentration(sweep: pd.DataFrame) -> list[dict]:
 
 def concentration(locality_df: pd.DataFrame) -> pd.DataFrame:
     """Tidy concentration rows (probe "concentration") from locality rows, one block per case."""
-    sweep = locality_df[(locality_df["metric"] == "effect") & (locality_df["set"] == "single")]
+    sweep = single_position_sweep(locality_df)
     frames = []
     for (model, case_id), g in sweep.groupby(["model", "case_id"], sort=False, dropna=False):
         df = rows(model, case_id, PROBE, case_concentration(g.sort_values("position")))

@@ -48,7 +48,8 @@ from kvprobe.datasets import AlignedCase
 from kvprobe.kv.readout import logit_diff, option_scores
 from kvprobe.errors import KvprobeError
 from kvprobe.kv import cache as kvcache
-from kvprobe.probes.base import register, rows, run_each
+from kvprobe.probes.base import Inputs, ProbeStage, register, rows, run_each, top_notes
+from kvprobe.results import KNOCKOUT
 from kvprobe.probes.engine import DEFAULT_BATCH_BYTES, PairCaches, Patch, cache_bytes, patched_reads
 from kvprobe.probes.locality import targets
 
@@ -251,7 +252,6 @@ def _preds(logits: torch.Tensor, a: AlignedCase) -> list[str]:
 
 
 # -- probes ----------------------------------------------------------------------------------
-@register
 @dataclass(frozen=True)
 class EdgeKnockout:
     """Block the decision token's attention to the notes, the field, or random positions.
@@ -336,7 +336,6 @@ class EdgeKnockout:
         return df
 
 
-@register
 @dataclass(frozen=True)
 class HeadPatch:
     """Rank heads by patching their output at the decision token from the new read.
@@ -390,3 +389,23 @@ class HeadPatch:
         df["m_stale"], df["m_oracle"], df["oracle_flip"] = m_stale, m_oracle, flip
         df["control"], df["n_positions"] = a.case.control, D
         return df
+
+
+@dataclass(frozen=True)
+class Knockout:
+    """The run's knockout stage: attention-edge knockout, then head patching, per case."""
+
+    edge: EdgeKnockout
+    heads: HeadPatch
+
+    def run_case(self, lm, a: AlignedCase) -> pd.DataFrame:
+        return pd.concat([p.run(lm, [a]) for p in (self.edge, self.heads)], ignore_index=True)
+
+
+def _build(inputs: Inputs) -> Knockout:
+    ranked = top_notes(inputs.table("locality"), k=None)  # the locality sweep's notes, where it ran
+    return Knockout(EdgeKnockout(top_positions=ranked or None, seed=inputs.seed, model_name=inputs.model_name),
+                    HeadPatch(seed=inputs.seed, model_name=inputs.model_name))
+
+
+STAGE = register(ProbeStage("knockout", KNOCKOUT, _build, needs=("locality",), sections=("knockout",)))

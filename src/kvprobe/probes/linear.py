@@ -40,7 +40,8 @@ from kvprobe.datasets import AlignedCase
 from kvprobe.kv.readout import option_scores
 from kvprobe.errors import KvprobeError
 from kvprobe.kv import cache as kvcache
-from kvprobe.probes.base import register, rows
+from kvprobe.probes.base import Inputs, ProbeStage, register, rows, top_notes
+from kvprobe.results import LINEAR
 
 AGGREGATOR_KINDS = ("newline", "punct", "section")
 SITES = ("field", "notes", "decision")
@@ -227,7 +228,6 @@ def layer_accuracies(features: dict[tuple[str, str], np.ndarray], labels: dict[s
     return records
 
 
-@register
 @dataclass(frozen=True)
 class Linear:
     """Linear decodability of the value and the decision, per site/stream/layer, and the logit lens."""
@@ -257,3 +257,11 @@ class Linear:
         df = rows(self.model_name, None, self.name, records)
         df["n_templates"], df["n_layers"] = len(np.unique(s.groups)), L
         return df
+
+
+def _build(inputs: Inputs) -> Linear:
+    notes = {c: p[:8] for c, p in top_notes(inputs.table("locality"), k=None).items()}
+    return Linear(model_name=inputs.model_name, notes=notes or None)
+
+
+STAGE = register(ProbeStage("linear", LINEAR, _build, per_case=False, needs=("locality",), sections=("linear",)))

@@ -21,7 +21,9 @@ import torch
 
 from kvprobe.datasets import AlignedCase
 from kvprobe.kv.readout import answer_targets, logit_diff, option_scores
-from kvprobe.probes.base import region_of, register, rows, run_each
+from kvprobe.probes.base import Inputs, ProbeStage, region_of, register, rows, run_each
+from kvprobe.probes.concentration import concentration
+from kvprobe.results import CONCENTRATION, LOCALITY
 from kvprobe.probes.engine import PairCaches, Patch, patched_reads
 
 TOP_KS = (1, 4, 8, 16, 32, 128)
@@ -32,7 +34,6 @@ def targets(a: AlignedCase) -> tuple[str, str]:
     return answer_targets(a.case)
 
 
-@register
 @dataclass(frozen=True)
 class Locality:
     name = "locality"
@@ -97,3 +98,11 @@ class Locality:
         df["m_stale"], df["m_oracle"], df["oracle_flip"] = m_stale, m_oracle, flip
         df["control"], df["n_positions"] = a.case.control, D
         return df
+
+
+def _build(inputs: Inputs) -> Locality:
+    return Locality(seed=inputs.seed, model_name=inputs.model_name)
+
+
+STAGE = register(ProbeStage("locality", LOCALITY, _build, sections=("notes", "locality"),
+                            derived=lambda table: {CONCENTRATION: concentration(table)}))

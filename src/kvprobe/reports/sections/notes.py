@@ -6,12 +6,13 @@ from __future__ import annotations
 import pandas as pd
 from markupsafe import Markup, escape
 
+from kvprobe.datasets.tokens import TOKENS
+from kvprobe.probes.base import single_position_sweep
 from kvprobe.reports.figures import finite
 from kvprobe.reports.folder import Run
 from kvprobe.reports.sections.common import decision_rows, guard, guard_note
 from kvprobe.reports.sections.registry import Section, register
 from kvprobe.reports.stats import Stat, nanfloat
-from kvprobe.datasets.tokens import TOKENS
 from kvprobe.results import CONCENTRATION, LOCALITY, VALIDITY
 
 N_MAP_CASES = 3  # cases shown in the notes map
@@ -79,7 +80,7 @@ def build_notes(run: Run) -> dict | None:
     loc = run.table(LOCALITY)
     if loc.empty or "set" not in loc:
         return None
-    sweep = loc[(loc["metric"] == "effect") & (loc["set"] == "single")]
+    sweep = single_position_sweep(loc)
     if sweep.empty:
         return None
     sweep = decision_rows(sweep)
