@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(600)
 REPO = Path(__file__).resolve().parents[2]
 SHOTS = REPO / "reports"  # outputs only; *.png is gitignored
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
-SECTIONS = ["notes", "edits", "locality", "linear", "knockout", "topk", "facts"]
+from tests.reports.test_render import ALL as SECTIONS  # noqa: E402  (the sections a tiny run has)
 LOCAL_SCHEMES = ("file:", "data:", "about:")
 
 
