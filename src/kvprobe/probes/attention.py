@@ -85,4 +85,4 @@ def _build(inputs: Inputs) -> Attention:
     return Attention(model_name=inputs.model_name)
 
 
-STAGE = register(ProbeStage("attention", ATTENTION, _build))
+STAGE = register(ProbeStage("attention", ATTENTION, _build, sections=("attention",)))
