@@ -8,9 +8,11 @@ import os
 import pytest
 import torch
 
+from kvprobe.models.tiny import tiny_names
+
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-TINY = ["tiny-llama", "tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-mistral"]
+TINY = tiny_names()  # every family, and the variants
 
 
 @functools.cache

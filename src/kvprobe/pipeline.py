@@ -19,6 +19,7 @@ import platform
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -203,121 +204,170 @@ def run_probes(cfg: RunConfig, lm, valid: list, out: Path, stages: Stages) -> di
     return tables
 
 
+@dataclass
+class Selection:
+    """The run's cases: generated or loaded, aligned, checked for validity, and split."""
+
+    cases: list
+    aligned: dict  # case_id -> AlignedCase
+    skipped: list  # Skip, one per case that does not align
+    validity: pd.DataFrame = field(default_factory=pd.DataFrame)
+    valid_ids: list[str] = field(default_factory=list)  # the decision cases probed and edited
+    control_ids: list[str] = field(default_factory=list)  # the valid controls edited (a seeded sample)
+    n_valid_controls: int = 0
+    rank_ids: list[str] = field(default_factory=list)  # learn the causal ranking rule on these
+    held_ids: list[str] = field(default_factory=list)  # and judge it (the K sweep) on these
+
+    @property
+    def valid(self) -> list:
+        return [self.aligned[c] for c in self.valid_ids]
+
+    @property
+    def controls(self) -> list:
+        return [self.aligned[c] for c in self.control_ids]
+
+
 def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
     """Run everything ``cfg`` asks for into ``out``; returns the manifest."""
     from kvprobe.models import load_model
-    from kvprobe.probes.field_following import check_case, summarize
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     claim_folder(out, "config.json", cfg.model_dump(), settle=_settled)
-    progress = progress or (lambda name, total: (lambda: None))
-    stages = Stages(progress)
+    stages = Stages(progress or (lambda name, total: (lambda: None)))
     t0 = time.perf_counter()
 
     lm = lm or stages.run("load", lambda: load_model(cfg.model, dtype=cfg.dtype, device=cfg.device))
-    name = cfg.model
+    sel = select_cases(cfg, lm, out, stages)
+    tables = run_probes(cfg, lm, sel.valid, out, stages)
+    rule = learn_rule(cfg, tables.get("locality", pd.DataFrame()), sel, out)
+    run_edits_stage(cfg, lm, sel, rule, out, stages)
+    compose_summary = run_compose_stage(cfg, lm, out, stages)
+    manifest = write_manifest(cfg, lm, sel, compose_summary, out, {**stages.wall, "total": time.perf_counter() - t0})
+    if rule is not None:
+        from kvprobe.editor.topk import export_topk
+
+        export_topk(out)
+    return manifest
+
+
+def select_cases(cfg: RunConfig, lm, out: Path, stages: Stages) -> Selection:
+    """Align the dataset, check every case's validity (resumable), choose what is probed and edited."""
+    from kvprobe.datasets.tokens import case_tokens  # token text for the notes map (data, not rendering)
+    from kvprobe.probes.field_following import check_case
+
     kwargs = {"few_shot": cfg.few_shot} if cfg.dataset == "default" else {}
     cases = resolve_dataset(cfg.dataset, n=cfg.n, seed=cfg.seed, **kwargs)
-    aligned, skipped = {}, []
+    sel = Selection(cases, {}, [])
     for case in cases:
         a = align(case, lm.tokenizer, cfg.form)
         if isinstance(a, Skip):
-            skipped.append(a)
+            sel.skipped.append(a)
         else:
-            aligned[case.case_id] = a
+            sel.aligned[case.case_id] = a
 
-    # validity
-    tick = progress("validity", len(aligned))
+    tick = stages.progress("validity", len(sel.aligned))
     validity = stages.run("validity", lambda: _per_case(
-        CaseStore(out, "validity"), aligned.items(), lambda a: pd.DataFrame([check_case(lm.model, a)]), tick))
+        CaseStore(out, "validity"), sel.aligned.items(), lambda a: pd.DataFrame([check_case(lm.model, a)]), tick))
     atomic_write_parquet(validity, out / VALIDITY)
+    sel.validity = validity
     keep = validity.valid if cfg.valid_only else validity.valid | ~validity.control
-    valid_ids = sorted(validity[keep & ~validity.control].case_id) if len(validity) else []
-    control_ids = sorted(validity[validity.valid & validity.control].case_id) if len(validity) else []
-    n_valid_controls = len(control_ids)
-    if cfg.max_controls is not None and len(control_ids) > cfg.max_controls:
-        control_ids = sorted(random.Random(cfg.seed).sample(control_ids, cfg.max_controls))
-    if not valid_ids:
-        raise KvprobeError(f"{name} answered no decision case correctly under both values "
-                           f"({len(aligned)} aligned cases); the probes need a model that decides by the field "
+    sel.valid_ids = sorted(validity[keep & ~validity.control].case_id) if len(validity) else []
+    sel.control_ids = sorted(validity[validity.valid & validity.control].case_id) if len(validity) else []
+    sel.n_valid_controls = len(sel.control_ids)
+    if cfg.max_controls is not None and len(sel.control_ids) > cfg.max_controls:
+        sel.control_ids = sorted(random.Random(cfg.seed).sample(sel.control_ids, cfg.max_controls))
+    if not sel.valid_ids:
+        raise KvprobeError(f"{cfg.model} answered no decision case correctly under both values "
+                           f"({len(sel.aligned)} aligned cases); the probes need a model that decides by the field "
                            f"(or set valid_only: false to probe it anyway)")
-    valid = [aligned[c] for c in valid_ids]
-    rank_ids, held_ids = split_holdout(valid_ids, cfg.holdout, cfg.seed)
-    from kvprobe.datasets.tokens import case_tokens  # token text for the notes map (data, not rendering)
+    sel.rank_ids, sel.held_ids = split_holdout(sel.valid_ids, cfg.holdout, cfg.seed)
+    atomic_write_parquet(case_tokens(lm, sel.valid + sel.controls), out / TOKENS)
+    return sel
 
-    atomic_write_parquet(case_tokens(lm, valid + [aligned[c] for c in control_ids]), out / TOKENS)
 
-    tables = run_probes(cfg, lm, valid, out, stages)
-    locality = tables.get("locality", pd.DataFrame())
-
-    # the causal ranking rule, learned on the ranking half only
-    from kvprobe.editor.topk import export_topk, kinds_of_top
+def learn_rule(cfg: RunConfig, locality: pd.DataFrame, sel: Selection, out: Path):
+    """The causal ranking rule, learned on the ranking half only (None without a locality table)."""
     from kvprobe.editor.causal_rule import fit_rule
+    from kvprobe.editor.topk import kinds_of_top
 
-    rule = fit_rule(locality, {c: aligned[c] for c in rank_ids}, cfg.min_flip) if len(locality) else None
-    held = [aligned[c] for c in held_ids]
-    max_down = max((a.downstream[1] - a.downstream[0] for a in valid), default=0)
-    learned = rule is not None and rule.n_cases > 0  # an empty rule would rank by position alone: not causal
-    if rule is not None:
-        note = None if learned else _unlearned_note(locality, rank_ids, cfg.min_flip)
-        atomic_write_json({"rule": {**rule.as_dict(), **({"note": note} if note else {})}, "ranking_cases": rank_ids,
-                           "held_out_cases": held_ids, "kinds_at_top": kinds_of_top(rule, held, 8) if learned else {},
-                           "max_downstream": max_down}, out / RANKING_RULE)
+    if not len(locality):
+        return None
+    rule = fit_rule(locality, {c: sel.aligned[c] for c in sel.rank_ids}, cfg.min_flip)
+    held = [sel.aligned[c] for c in sel.held_ids]
+    max_down = max((a.downstream[1] - a.downstream[0] for a in sel.valid), default=0)
+    learned = rule.n_cases > 0  # an empty rule would rank by position alone: not causal
+    note = None if learned else _unlearned_note(locality, sel.rank_ids, cfg.min_flip)
+    atomic_write_json({"rule": {**rule.as_dict(), **({"note": note} if note else {})}, "ranking_cases": sel.rank_ids,
+                       "held_out_cases": sel.held_ids, "kinds_at_top": kinds_of_top(rule, held, 8) if learned else {},
+                       "max_downstream": max_down}, out / RANKING_RULE)
+    return rule
 
-    # the editor: every strategy on the valid cases (+ controls), the K sweep on the held-out half
+
+def run_edits_stage(cfg: RunConfig, lm, sel: Selection, rule, out: Path, stages: Stages) -> pd.DataFrame:
+    """Every strategy on the valid cases (and controls), per CoT budget; the K sweep on the held-out half."""
+    learned = rule is not None and rule.n_cases > 0
     base = cfg.edit_strategies()
     rankings = [r for r in cfg.rankings if r != "causal" or learned]
-    edit_items = [(f"{a.case.case_id}.cot{c}", (a, c)) for a in valid + [aligned[i] for i in control_ids]
-                  for c in cfg.cot]
-    tick = progress("edits", len(edit_items) + len(held))
+    held = set(sel.held_ids)
+    edit_items = [(f"{a.case.case_id}.cot{c}", (a, c)) for a in sel.valid + sel.controls for c in cfg.cot]
+    tick = stages.progress("edits", len(edit_items) + len(held))
 
     def edit_one(item):
         a, cot = item
         strategies = list(base)
-        if a.case.case_id in set(held_ids) and cot == 0:
+        if a.case.case_id in held and cot == 0:
             n_down = a.downstream[1] - a.downstream[0]
             strategies += [parse_strategy(f"selective:{k}:{r}") for k in cfg.ks if k <= n_down for r in rankings]
         case = a if cot == 0 else align(a.case.model_copy(update={"cot": True}), lm.tokenizer, cfg.form)
         if isinstance(case, Skip):
             return pd.DataFrame()
-        return edit_case(lm, case, strategies, cot, cfg.min_flip, ranking=rule, seed=cfg.seed, model_name=name)
+        return edit_case(lm, case, strategies, cot, cfg.min_flip, ranking=rule, seed=cfg.seed, model_name=cfg.model)
 
     edits = stages.run("edits", lambda: _per_case(CaseStore(out, "edits"), edit_items, edit_one, tick))
     if not learned and "ranking" in edits:  # parts stored by a version that ranked with an empty rule
         edits = edits[edits.ranking.ne("causal")]
     atomic_write_parquet(edits, out / EDITS)
+    return edits
 
-    compose_summary = []
-    if cfg.compose:
-        from kvprobe.composer.gate import run_compose, summarize_compose
 
-        tick = progress("compose", cfg.compose)
-        composed = stages.run("compose", lambda: run_compose(
-            lm, n=cfg.compose, seed=cfg.seed, seams=cfg.compose_seams, form=cfg.form, store_dir=out / "blocks",
-            model_name=name, parts=CaseStore(out, "compose"), on_query=tick))
-        atomic_write_parquet(composed, out / COMPOSE)
-        compose_summary = summarize_compose(composed).to_dict("records")
+def run_compose_stage(cfg: RunConfig, lm, out: Path, stages: Stages) -> list[dict]:
+    """With ``compose: N``, the composition gate on N queries (as ``kvprobe validate``); its summary rows."""
+    if not cfg.compose:
+        return []
+    from kvprobe.composer.gate import run_compose, summarize_compose
 
+    tick = stages.progress("compose", cfg.compose)
+    composed = stages.run("compose", lambda: run_compose(
+        lm, n=cfg.compose, seed=cfg.seed, seams=cfg.compose_seams, form=cfg.form, store_dir=out / "blocks",
+        model_name=cfg.model, parts=CaseStore(out, "compose"), on_query=tick))
+    atomic_write_parquet(composed, out / COMPOSE)
+    return summarize_compose(composed).to_dict("records")
+
+
+def write_manifest(cfg: RunConfig, lm, sel: Selection, compose_summary: list[dict], out: Path,
+                   wall_s: dict[str, float]) -> dict:
+    """manifest.json: config, model fingerprint, versions, counts and skip reasons, wall time per stage."""
+    from kvprobe.probes.field_following import summarize
+
+    validity = sel.validity
     manifest = {
         "kvprobe_run": 1, "config": cfg.model_dump(), "model": lm.fingerprint(), "model_info": lm.info.as_dict(),
         "n_layers": lm.adapter.n_layers, "n_heads": lm.adapter.n_heads, "n_kv_heads": lm.adapter.n_kv_heads,
         "versions": _versions(), "seed": cfg.seed,
-        "counts": {"cases": len(cases), "aligned": len(aligned), "probed_decision": len(valid_ids),
+        "counts": {"cases": len(sel.cases), "aligned": len(sel.aligned), "probed_decision": len(sel.valid_ids),
                    "valid_decision": int((validity.valid & ~validity.control).sum()),
-                   "valid_control": n_valid_controls, "edited_controls": len(control_ids),
-                   "ranking_cases": len(rank_ids), "held_out_cases": len(held_ids),
-                   "skipped": len(skipped), "invalid": int((~validity.valid).sum())},
-        "skipped": [{"case_id": s.case_id, "reason": s.reason} for s in skipped],
+                   "valid_control": sel.n_valid_controls, "edited_controls": len(sel.control_ids),
+                   "ranking_cases": len(sel.rank_ids), "held_out_cases": len(sel.held_ids),
+                   "skipped": len(sel.skipped), "invalid": int((~validity.valid).sum())},
+        "skipped": [{"case_id": s.case_id, "reason": s.reason} for s in sel.skipped],
         "invalid_reasons": _invalid_reasons(validity),
         "validity": summarize(validity) if len(validity) else {},
         "compose": compose_summary,
         "tables": sorted(p.name for p in out.glob("*.parquet")),
-        "wall_s": {**stages.wall, "total": round(time.perf_counter() - t0, 2)},
+        "wall_s": {k: round(v, 2) for k, v in wall_s.items()},
     }
     atomic_write_json(manifest, out / MANIFEST)
-    if rule is not None:
-        export_topk(out)
     return manifest
 
 

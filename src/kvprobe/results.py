@@ -30,7 +30,9 @@ SERVING_MANIFEST = "serving_manifest.json"
 REPORT = "report.html"
 
 
-def _atomic(path: Path, write) -> Path:
+def atomic_write(path: Path | str, write) -> Path:
+    """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it into place (the one
+    atomic write: an interrupted writer never leaves a half-written file that looks finished)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -46,12 +48,12 @@ def _atomic(path: Path, write) -> Path:
 
 def atomic_write_parquet(df: pd.DataFrame, path: Path | str) -> Path:
     """Write a DataFrame as parquet atomically; returns the path."""
-    return _atomic(Path(path), lambda tmp: df.to_parquet(tmp, index=False))
+    return atomic_write(Path(path), lambda tmp: df.to_parquet(tmp, index=False))
 
 
 def atomic_write_json(data: dict, path: Path | str) -> Path:
     """Write JSON atomically (sorted keys, indented); returns the path."""
-    return _atomic(Path(path), lambda tmp: tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str)))
+    return atomic_write(Path(path), lambda tmp: tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str)))
 
 
 def claim_folder(folder: Path | str, name: str, config: dict, settle=lambda stored: stored,

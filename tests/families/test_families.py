@@ -1,31 +1,9 @@
-"""The invariant suite, once per family (and the llama3-scaled variant)."""
+"""The invariant suite, once per tiny model: every family's data file and the extra variants
+(``kvprobe.models.tiny.tiny_names``), so a new family YAML is tested without editing this file."""
 
+from kvprobe.models import tiny_names
 from tests.families.suite import EditSuite, FamilySuite, ProbeSuite
 
-
-class TestLlama(FamilySuite, EditSuite, ProbeSuite):
-    name = "tiny-llama"
-
-
-class TestLlama3Scaling(FamilySuite, EditSuite, ProbeSuite):
-    name = "tiny-llama3"
-
-
-class TestQwen2(FamilySuite, EditSuite, ProbeSuite):
-    name = "tiny-qwen2"
-
-
-class TestQwen3(FamilySuite, EditSuite, ProbeSuite):
-    name = "tiny-qwen3"
-
-
-class TestGemma2(FamilySuite, EditSuite, ProbeSuite):
-    name = "tiny-gemma2"
-
-
-class TestGemma3(FamilySuite, EditSuite, ProbeSuite):
-    name = "tiny-gemma3"
-
-
-class TestMistral(FamilySuite, EditSuite, ProbeSuite):
-    name = "tiny-mistral"
+for _name in tiny_names():
+    _cls = f"Test_{_name.replace('-', '_')}"
+    globals()[_cls] = type(_cls, (FamilySuite, EditSuite, ProbeSuite), {"name": _name})

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
 from kvprobe.composer.blocks import Block, _dtype_name, check_block
 from kvprobe.errors import KvprobeError
+from kvprobe.results import atomic_write
 
 FORMAT = "kvprobe-block/1"
 SUFFIX = ".kvblock.safetensors"
@@ -83,17 +82,7 @@ def save_block(block: Block, lm, path: Path | str) -> Path:
         "rope": _rope(lm),
     }
     header["checksum"] = _checksum(header, tensors)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={META_KEY: json.dumps(header, sort_keys=True)})
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={META_KEY: json.dumps(header, sort_keys=True)}))
 
 
 def read_header(path: Path | str) -> dict:

@@ -7,7 +7,6 @@ line number and the problem.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -15,18 +14,13 @@ from pydantic import ValidationError
 
 from kvprobe.datasets.schema import EditCase
 from kvprobe.errors import KvprobeError
+from kvprobe.results import atomic_write
 
 
 def save_jsonl(cases: Iterable[EditCase], path: str | Path) -> Path:
     """Write ``cases`` to ``path`` atomically (a temporary file, then a rename); return the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as fh:
-        for case in cases:
-            fh.write(json.dumps(case.model_dump(mode="json"), ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
-    return path
+    text = "".join(json.dumps(case.model_dump(mode="json"), ensure_ascii=False) + "\n" for case in cases)
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def _first_error(err: ValidationError) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import pandas as pd
 
 from kvprobe.datasets import AlignedCase, EditCase, Skip, align
-from kvprobe.kv.readout import answer_targets, logit_diff, option_scores
+from kvprobe.kv.readout import answer_targets, logit_diff, predicted
 from kvprobe.errors import KvprobeError
 from kvprobe.editor.context import make_context
 from kvprobe.editor.strategies import Strategy, apply, parse_strategy
@@ -56,7 +56,7 @@ def edit_case(lm, a: AlignedCase, strategies: Sequence[Strategy], cot_tokens: in
     stale_logits, oracle_logits = reads["stale"][0], reads["oracle"][0]
     m_stale = float(logit_diff(stale_logits, a.option_ids, new_ans, old_ans))
     m_oracle = float(logit_diff(oracle_logits, a.option_ids, new_ans, old_ans))
-    pred_of = lambda lg: case.options[int(option_scores(lg, a.option_ids, case.options).argmax())]  # noqa: E731
+    pred_of = lambda lg: predicted(lg, a.option_ids, case.options)[0]  # noqa: E731
     pred_oracle = pred_of(oracle_logits)
     valid = pred_of(stale_logits) == case.expected_old and pred_oracle == case.expected_new
     rows = []

@@ -21,6 +21,7 @@ reads any registered spec without knowing the variants. A new strategy is one cl
 
 from __future__ import annotations
 
+import contextlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from kvprobe.editor.rankings import RANKINGS, rank_downstream
 from kvprobe.errors import KvprobeError
 from kvprobe.kv import cache as kvcache
 from kvprobe.kv.decode import Edited
+from kvprobe.kv.hooks import hooks
 from kvprobe.kv.recompute import recompute_positions
 
 # -- the registry and the spec grammar --------------------------------------------------------
@@ -226,14 +228,9 @@ class CacheBlend(Strategy):
         def stop(module, args):
             raise _StopForward
 
-        handle = layers[check_layer + 1].register_forward_pre_hook(stop) if check_layer + 1 < len(layers) else None
-        try:
+        stops = [(layers[check_layer + 1], stop)] if check_layer + 1 < len(layers) else []
+        with hooks(pre=stops), contextlib.suppress(_StopForward):
             kvcache.forward(lm.model, torch.tensor([ctx.a.ids_new[:D]]), probe)
-        except _StopForward:
-            pass
-        finally:
-            if handle is not None:
-                handle.remove()
         k_new, v_new = kvcache.get_kv(probe, check_layer)
         k_old, v_old = kvcache.get_kv(ctx.old_cache, check_layer)
         deviation = ((k_new - k_old) ** 2).sum((0, 1, 3)) + ((v_new - v_old) ** 2).sum((0, 1, 3))  # (D,)

@@ -70,9 +70,9 @@ def kinds_of_top(rule, aligned, k: int) -> dict:
 
 
 def write_topk(cfg: dict, path: Path | str) -> Path:
-    from kvprobe.results import _atomic
+    from kvprobe.results import atomic_write
 
-    return _atomic(Path(path), lambda tmp: tmp.write_text(yaml.safe_dump(cfg, sort_keys=False)))
+    return atomic_write(Path(path), lambda tmp: tmp.write_text(yaml.safe_dump(cfg, sort_keys=False)))
 
 
 def export_topk(results_dir: Path | str, out: Path | str | None = None, threshold: float = 0.95) -> Path:

@@ -58,6 +58,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvprobe.errors import KvprobeError
 from kvprobe.kv import cache as kvcache
+from kvprobe.kv.hooks import hooks
 from kvprobe.models.adapter import Adapter, Family
 
 SELF_CHECK_SHIFT = 37  # a moderate shift: errors there are rounding, not the model's float32 angles
@@ -184,12 +185,8 @@ def _pinned_layer_inputs(layers: torch.nn.ModuleList, inputs: list[torch.Tensor]
             return args, {**kwargs, "hidden_states": inputs[i]}
         return hook
 
-    handles = [layer.register_forward_pre_hook(hook_for(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    try:
+    with hooks(pre=[(layer, hook_for(i)) for i, layer in enumerate(layers)], with_kwargs=True):
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @torch.no_grad()

@@ -17,7 +17,7 @@ import pandas as pd
 import torch
 
 from kvprobe.datasets import AlignedCase, EditCase, Skip, align
-from kvprobe.kv.readout import answer_targets, logit_diff, option_scores
+from kvprobe.kv.readout import answer_targets, logit_diff, predicted
 from kvprobe.kv import cache as kvcache
 
 CHECK_COLUMNS = ["case_id", "domain", "field", "control", "old_value", "new_value", "expected_old",
@@ -43,8 +43,7 @@ def check_case(model, a: AlignedCase) -> dict:
     """One row of the validity table for an aligned case."""
     c = a.case
     logits = decision_logits_pair(model, a)
-    scores = option_scores(logits, a.option_ids, c.options)
-    pred = [c.options[i] for i in scores.argmax(-1).tolist()]
+    pred = predicted(logits, a.option_ids, c.options)
     m = logit_diff(logits, a.option_ids, *answer_targets(c)).tolist()
     correct_old, correct_new = pred[0] == c.expected_old, pred[1] == c.expected_new
     return {

@@ -45,9 +45,10 @@ import torch
 from transformers import DynamicCache
 
 from kvprobe.datasets import AlignedCase
-from kvprobe.kv.readout import logit_diff, option_scores
+from kvprobe.kv.readout import logit_diff, predicted
 from kvprobe.errors import KvprobeError
 from kvprobe.kv import cache as kvcache
+from kvprobe.kv.hooks import hooks
 from kvprobe.probes.base import Inputs, ProbeStage, register, rows, run_each, top_notes
 from kvprobe.results import KNOCKOUT
 from kvprobe.probes.engine import DEFAULT_BATCH_BYTES, PairCaches, Patch, cache_bytes, patched_reads
@@ -108,7 +109,6 @@ def attention_knockout(lm, hidden: torch.Tensor) -> Iterator[None]:
     """
     _check_attn(lm)
     assert hidden.ndim == 3 and hidden.shape[1] == lm.adapter.n_layers, hidden.shape
-    handles = []
 
     def make(h: torch.Tensor):
         def hook(module, args, kwargs):
@@ -119,15 +119,9 @@ def attention_knockout(lm, hidden: torch.Tensor) -> Iterator[None]:
             return args, {**kwargs, "attention_mask": _hide(mask, h)}
         return hook
 
-    try:
-        for layer in range(hidden.shape[1]):
-            if hidden[:, layer].any():
-                module = lm.adapter.attention(lm.model, layer)
-                handles.append(module.register_forward_pre_hook(make(hidden[:, layer]), with_kwargs=True))
+    with hooks(pre=[(lm.adapter.attention(lm.model, layer), make(hidden[:, layer]))
+                    for layer in range(hidden.shape[1]) if hidden[:, layer].any()], with_kwargs=True):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @contextmanager
@@ -149,7 +143,6 @@ def head_patching(lm, patches: Sequence[HeadSet], source: torch.Tensor | None) -
             sel[layer, b, head] = True
     if source is not None:
         assert source.shape == (L, H * hd), (source.shape, (L, H * hd))
-    handles = []
 
     def make(layer: int):
         def hook(module, args):
@@ -163,33 +156,21 @@ def head_patching(lm, patches: Sequence[HeadSet], source: torch.Tensor | None) -
             return (xv.reshape(x.shape), *args[1:])
         return hook
 
-    try:
-        for layer in range(L):
-            if sel[layer].any():
-                handles.append(ad.proj(lm.model, layer, "o").register_forward_pre_hook(make(layer)))
+    with hooks(pre=[(ad.proj(lm.model, layer, "o"), make(layer)) for layer in range(L) if sel[layer].any()]):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @contextmanager
 def recording_head_inputs(lm, store: dict[int, torch.Tensor]) -> Iterator[None]:
     """Record every layer's o_proj input at the last query position into ``store[layer]`` (B, H*hd)."""
-    handles = []
 
     def make(layer: int):
         def hook(module, args):
             store[layer] = args[0][:, -1].detach().clone()
         return hook
 
-    try:
-        for layer in range(lm.adapter.n_layers):
-            handles.append(lm.adapter.proj(lm.model, layer, "o").register_forward_pre_hook(make(layer)))
+    with hooks(pre=[(lm.adapter.proj(lm.model, layer, "o"), make(layer)) for layer in range(lm.adapter.n_layers)]):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 # -- batched reads ---------------------------------------------------------------------------
@@ -248,7 +229,7 @@ def single_position_effects(lm, pc: PairCaches, m_of) -> torch.Tensor:
 
 
 def _preds(logits: torch.Tensor, a: AlignedCase) -> list[str]:
-    return [a.case.options[i] for i in option_scores(logits, a.option_ids, a.case.options).argmax(-1).tolist()]
+    return predicted(logits, a.option_ids, a.case.options)
 
 
 # -- probes ----------------------------------------------------------------------------------

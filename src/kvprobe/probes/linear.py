@@ -40,6 +40,7 @@ from kvprobe.datasets import AlignedCase
 from kvprobe.kv.readout import option_scores
 from kvprobe.errors import KvprobeError
 from kvprobe.kv import cache as kvcache
+from kvprobe.kv.hooks import hooks
 from kvprobe.probes.base import Inputs, ProbeStage, register, rows, top_notes
 from kvprobe.results import LINEAR
 
@@ -67,12 +68,8 @@ def residual_hooks(lm):
             got[i] = (out[0] if isinstance(out, tuple) else out).detach()
         return fn
 
-    handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
-    try:
+    with hooks(post=[(layer, hook(i)) for i, layer in enumerate(layers)]):
         yield got
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @dataclass

@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 
 from kvprobe.datasets import AlignedCase
-from kvprobe.kv.readout import answer_targets, logit_diff, option_scores
+from kvprobe.kv.readout import answer_targets, logit_diff, predicted
 from kvprobe.probes.base import Inputs, ProbeStage, region_of, register, rows, run_each
 from kvprobe.probes.concentration import concentration
 from kvprobe.results import CONCENTRATION, LOCALITY
@@ -85,12 +85,12 @@ class Locality:
                 named += [(f"{region}@layer", None, Patch(tuple(range(*span)), (layer,))) for layer in range(n_layers)]
         logits = patched_reads(lm, pc, [p for _, _, p in named])
         ms = m_of(logits)
-        oracle_pred = a.case.options[int(option_scores(logits[1], a.option_ids, a.case.options).argmax())]
-        preds = option_scores(logits, a.option_ids, a.case.options).argmax(-1).tolist()
+        preds = predicted(logits, a.option_ids, a.case.options)
+        oracle_pred = preds[1]
         for (name, k, patch), m, pred in zip(named, ms.tolist(), preds):
             layer = patch.layers[0] if patch.layers else None
             rec = (m - m_stale) / flip if flip else float("nan")
-            agree = float(a.case.options[pred] == oracle_pred)
+            agree = float(pred == oracle_pred)
             for metric, value in (("m", m), ("recovery", rec), ("agree", agree)):
                 records.append({"layer": layer, "region": name.split("@")[0], "metric": metric, "value": value,
                                 "set": name, "k": k})

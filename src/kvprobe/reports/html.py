@@ -56,7 +56,7 @@ def render_html(results_dirs) -> str:
 
 def render_report(results_dirs: list[Path], out: Path) -> Path:
     """Write the self-contained HTML report of ``results_dirs`` to ``out`` (atomically); returns ``out``."""
-    from kvprobe.results import _atomic
+    from kvprobe.results import atomic_write
 
     html = render_html(results_dirs)
-    return _atomic(Path(out), lambda tmp: tmp.write_text(html, encoding="utf-8"))
+    return atomic_write(Path(out), lambda tmp: tmp.write_text(html, encoding="utf-8"))

@@ -11,7 +11,7 @@ import torch
 
 from kvprobe.datasets import SHORT_ERRATUM, erratum_text, generate, render_prompt
 from kvprobe.datasets.spans import option_ids
-from kvprobe.kv.readout import option_scores
+from kvprobe.kv.readout import predicted
 from kvprobe.toys.data import ToyData, unseen_cases, with_control_line, without_control_line
 
 EVAL_SEED = 10_001
@@ -49,9 +49,8 @@ def predict(model, tokenizer, texts: Sequence[str], batch_size: int = 64) -> lis
     preds: list[str] = [""] * len(ids)
     for lo in range(0, len(order), batch_size):
         chunk = order[lo : lo + batch_size]
-        scores = option_scores(decision_logits(model, [ids[i] for i in chunk]), opt_ids, list(OPTIONS))
-        for i, k in zip(chunk, scores.argmax(-1).tolist()):
-            preds[i] = OPTIONS[k]
+        for i, pred in zip(chunk, predicted(decision_logits(model, [ids[i] for i in chunk]), opt_ids, list(OPTIONS))):
+            preds[i] = pred
     return preds
 
 
