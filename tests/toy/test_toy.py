@@ -262,13 +262,21 @@ def test_shipped_toy_is_what_its_manifest_says(family):
 @pytest.mark.slow
 def test_retraining_toy_qwen2_from_its_recipe(tmp_path):
     """`kvprobe toy train`'s path for toy-qwen2 (seed 0, the full recipe; about 4 minutes). On a CPU
-    with the shipped toy's name and instruction sets the weights come out bit-identical. Elsewhere
-    torch picks other kernels and the weights differ, and a retrain behaves like another seed: it
-    must still do what the toy is for, every threshold met (docs/toys.md has three seeds per family)."""
+    with the shipped toy's name and instruction sets the weights come out bit-identical, with the
+    same held-out figures. Elsewhere torch picks other kernels, the weights differ, and a retrain
+    behaves like another seed: docs/toys.md's seed table shows the recipe does not always reach
+    every threshold then, so there the test checks that the manifest judges it honestly and that
+    kvprobe loads it only as the manifest allows."""
+    from kvprobe.models import load_model
+
     result = toy_train.train_toy("qwen2", out=tmp_path / "toy-qwen2")
-    shipped = toy_folder.read_manifest(toy_folder.shipped_dir("qwen2"))
-    assert result.manifest["heldout_failures"] == [], result.manifest["heldout"]
-    if result.manifest["machine"] == shipped["machine"]:
-        assert result.manifest["weights_sha256"] == shipped["weights_sha256"]
-        got, want = result.manifest["heldout"], shipped["heldout"]
+    manifest, shipped = result.manifest, toy_folder.read_manifest(toy_folder.shipped_dir("qwen2"))
+    assert manifest["heldout_failures"] == toy_eval.threshold_failures(manifest["heldout"])
+    if manifest["machine"] == shipped["machine"]:
+        assert manifest["weights_sha256"] == shipped["weights_sha256"]
+        got, want = manifest["heldout"], shipped["heldout"]
         assert {k: got[k] for k in toy_eval.METRICS} == pytest.approx({k: want[k] for k in toy_eval.METRICS}, abs=0.01)
+    if manifest["heldout_failures"]:
+        with pytest.raises(KvprobeError, match="failed its own held-out check"):
+            load_model(str(result.folder))
+    assert load_model(str(result.folder), allow_failed_toy=True).info.source == "toy"

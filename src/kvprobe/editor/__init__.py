@@ -16,7 +16,7 @@ over cases, tabulated against the oracle), :mod:`.topk` (the per-model top-K exp
 """
 
 from kvprobe.editor.context import EditContext, make_context
-from kvprobe.editor.rankings import RANKINGS, decision_attention, rank_downstream
+from kvprobe.editor.rankings import RANKINGS, attention_by_position, rank_downstream
 from kvprobe.editor.runner import DEFAULT_STRATEGIES, edit_case, run_edits
 from kvprobe.editor.strategies import (STRATEGIES, CacheBlend, Erratum, FieldErratum, FieldOnly, Hoist, Oracle,
                                        Selective, Stale, Strategy, apply, parse_strategy, register, spec_grammar)
@@ -25,5 +25,5 @@ from kvprobe.kv.recompute import recompute_positions
 
 __all__ = ["COT_CUE", "DEFAULT_STRATEGIES", "RANKINGS", "STRATEGIES", "CacheBlend", "EditContext", "Edited",
            "Erratum", "FieldErratum", "FieldOnly", "Hoist", "Oracle", "Selective", "Stale", "Strategy", "apply",
-           "decide", "decide_many", "decision_attention", "edit_case", "make_context", "parse_strategy",
+           "decide", "decide_many", "attention_by_position", "edit_case", "make_context", "parse_strategy",
            "rank_downstream", "recompute_positions", "register", "run_edits", "spec_grammar"]

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 RANKINGS = ("causal", "random", "attention", "recency", "aggregators")
 
 
-def decision_attention(ctx: EditContext) -> torch.Tensor:
+def attention_by_position(ctx: EditContext) -> torch.Tensor:
     """The decision token's attention to each cache entry of the old prompt, mean over layers and heads (D,)."""
     if ctx._attention is None:
         out = kvcache.forward(ctx.lm.model, torch.tensor([[ctx.a.ids_old[ctx.D]]]), ctx.old_cache, output_attentions=True)
@@ -42,7 +42,7 @@ def rank_downstream(ctx: EditContext, ranking: str) -> list[int]:
         agg = [p for p in pos if ctx.a.kinds[p] in ("newline", "punct", "section")]
         return agg + [p for p in pos if p not in set(agg)]
     if ranking == "attention":
-        att = decision_attention(ctx)[lo:hi]
+        att = attention_by_position(ctx)[lo:hi]
         return [lo + int(i) for i in torch.argsort(att, descending=True, stable=True)]
     if ranking == "causal":
         if ctx.ranking is None:

@@ -8,8 +8,10 @@ i use") and never spell ``self_attn.k_proj`` themselves.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,15 +53,30 @@ class Family:
     toy: dict | None = None  # the toy model's config overrides (absent: no toy for this family)
 
 
+FAMILY_PATH = "KVPROBE_FAMILY_PATH"  # more folders of family files, separated like PATH
+
+
+def _family_files() -> list:
+    files = sorted((e for e in (resources.files("kvprobe.models") / "families").iterdir() if e.name.endswith(".yaml")),
+                   key=lambda e: e.name)
+    for folder in filter(None, os.environ.get(FAMILY_PATH, "").split(os.pathsep)):
+        files += sorted(Path(folder).glob("*.yaml"))
+    return files
+
+
 @functools.cache
 def families() -> dict[str, Family]:
-    """All family data files, by family name."""
+    """All family data files, by family name: the package's, then those in ``$KVPROBE_FAMILY_PATH``
+    (a user's own family without editing kvprobe; :func:`families.cache_clear` rereads them)."""
     out = {}
-    for entry in sorted(resources.files("kvprobe.models.families").iterdir(), key=lambda p: p.name):
-        if entry.name.endswith(".yaml"):
+    for entry in _family_files():
+        try:
             data = yaml.safe_load(entry.read_text())
             data["model_types"] = tuple(data["model_types"])
             out[data["family"]] = Family(**data)
+        except (yaml.YAMLError, TypeError, KeyError) as exc:
+            raise KvprobeError(f"{entry} is not a family file ({type(exc).__name__}: {exc}); "
+                               f"see src/kvprobe/models/families/llama.yaml for the keys") from None
     return out
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
+from jinja2 import ChoiceLoader, Environment, FileSystemLoader, PackageLoader, StrictUndefined, select_autoescape
 
 from kvprobe.errors import KvprobeError
 from kvprobe.reports.folder import Run, load_runs
@@ -25,7 +25,10 @@ TEMPLATE = "report.html"
 
 
 def _env() -> Environment:
-    env = Environment(loader=PackageLoader("kvprobe.reports", "templates"), autoescape=select_autoescape(["html"]),
+    """kvprobe's templates, then the folders of sections registered from outside kvprobe."""
+    outside = sorted({s.template_dir for s in SECTIONS.values() if s.template_dir})
+    loader = ChoiceLoader([PackageLoader("kvprobe.reports", "templates"), *map(FileSystemLoader, outside)])
+    env = Environment(loader=loader, autoescape=select_autoescape(["html"]),
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
     env.filters["fmt"] = fmt
     return env

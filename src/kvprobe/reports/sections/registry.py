@@ -17,7 +17,8 @@ class Section:
     sections); ``needs`` names what a folder lacks when ``build(run)`` returns None ("Not in this folder
     (no ...)"); ``build`` returns the context its ``template`` (a path under ``templates/``) draws from
     as ``d``; ``tables`` are parquet files it reads that :mod:`kvprobe.reports.folder` does not load
-    already, so a section with a new table needs no edit elsewhere.
+    already, so a section with a new table needs no edit elsewhere. ``template_dir`` is a folder that
+    holds ``template`` for a section defined outside kvprobe (None: kvprobe's own ``templates/``).
     """
 
     id: str
@@ -28,6 +29,7 @@ class Section:
     build: Callable[[Run], dict | None]
     template: str
     tables: tuple[str, ...] = ()
+    template_dir: str | None = None
 
 
 SECTIONS: dict[str, Section] = {}

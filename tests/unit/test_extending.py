@@ -1,0 +1,113 @@
+"""docs/extending.md's three examples, run as written: a probe with its report section, an edit
+strategy, and a model family."""
+
+from __future__ import annotations
+
+import re
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "extending.md"
+
+
+def blocks(section: str, lang: str) -> list[str]:
+    """The ``lang`` code blocks under the ``## section`` heading of docs/extending.md, in order."""
+    text = DOC.read_text()
+    body = text.split(f"\n## {section}", 1)[1].split("\n## ", 1)[0]
+    return re.findall(rf"```{lang}\n(.*?)```", body, flags=re.S)
+
+
+def run_as_module(name: str, code: str, **names) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__dict__.update(names)
+    sys.modules[name] = module  # dataclasses look their module up
+    exec(compile(code, str(DOC), "exec"), module.__dict__)
+    return module
+
+
+def test_a_probe_and_its_section(tmp_path):
+    from kvprobe.pipeline import RunConfig, run
+    from kvprobe.probes import STAGES
+    from kvprobe.reports.html import render_html
+    from kvprobe.reports.sections import SECTIONS
+    from tests.conftest import tiny_model
+
+    probe_code, section_code = blocks("A probe", "python")
+    (template,) = blocks("A probe", "html")
+    (tmp_path / "templates").mkdir()
+    (tmp_path / "templates" / "kv_drift.html").write_text(template)
+    try:
+        probe = run_as_module("kv_drift_probe", probe_code)
+        run_as_module("kv_drift_section", section_code, TEMPLATE_DIR=str(tmp_path / "templates"))
+        assert STAGES["kv_drift"] is probe.STAGE
+        cfg = RunConfig(model="tiny-qwen2", n=3, valid_only=False, probes=["kv_drift"], strategies=["stale", "oracle"],
+                        ks=[1], rankings=["random"])
+        out = tmp_path / "run"
+        run(cfg, out, lm=tiny_model("tiny-qwen2"))
+        drift = __import__("pandas").read_parquet(out / "kv_drift.parquet")
+        assert set(drift.metric) == {"key_drift"} and drift.layer.nunique() == 2
+        assert (drift[drift.layer == 0].value == 0).all()  # layer-0 keys see only their own token
+        assert (drift[drift.layer == 1].value > 0).all()  # later layers read the changed field
+        assert (out / "parts" / "kv_drift").is_dir()  # resumable per case, like the built-in probes
+        html = render_html([out])
+        assert 'data-section="kv_drift"' in html and "key drift (relative L2)" in html
+    finally:
+        STAGES.pop("kv_drift", None)
+        SECTIONS.pop("kv_drift", None)
+
+
+def test_an_edit_strategy():
+    from kvprobe import editor
+    from kvprobe.datasets import align, generate
+    from kvprobe.errors import KvprobeError
+    from tests.conftest import tiny_model
+
+    (code,) = blocks("An edit strategy", "python")
+    try:
+        module = run_as_module("field_next_strategy", code)
+        assert editor.parse_strategy("field_next:4") == module.FieldNext(4)
+        assert "field_next:N (N >= 0)" in editor.spec_grammar()
+        with pytest.raises(KvprobeError, match="bad strategy"):
+            editor.parse_strategy("field_next:-1")
+        lm = tiny_model("tiny-qwen2")
+        a = align(generate(1, seed=3)[0], lm.tokenizer)
+        ctx = editor.make_context(lm, a)
+        everything = editor.apply(ctx, f"field_next:{a.decision_pos}")  # every position from the field on
+        got, _ = editor.decide(lm, everything)
+        want, _ = editor.decide(lm, editor.apply(ctx, "oracle"))
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        df, _ = editor.run_edits(lm, [a.case], ["field_next:2", "oracle"])
+        assert set(df.strategy) == {"field_next:2", "oracle"}
+    finally:
+        editor.STRATEGIES.pop("field_next", None)
+
+
+def test_a_model_family(tmp_path, monkeypatch):
+    from kvprobe.models import families, load_model
+    from kvprobe.models.tiny import tiny_names
+    from tests.families.suite import EditSuite, FamilySuite
+
+    (yaml_text,) = blocks("A model family", "yaml")
+    (tmp_path / "granite.yaml").write_text(yaml_text)
+    monkeypatch.setenv("KVPROBE_FAMILY_PATH", str(tmp_path))
+    families.cache_clear()
+    try:
+        assert "tiny-granite" in tiny_names()
+        lm = load_model("tiny-granite")
+        assert lm.info.family == "granite" and lm.info.rope_unsupported is None and lm.info.rope_check_error < 1e-4
+        suite = type("GraniteSuite", (FamilySuite, EditSuite), {"name": "tiny-granite"})()
+        for name in dir(suite):
+            if name.startswith("test_"):
+                getattr(suite, name)()  # every invariant of the family and edit suites
+        # the doc's counter-example: Helium rotates interleaved pairs, which the self-check catches
+        helium = yaml_text.replace("granite", "helium").replace("Granite", "Helium")
+        (tmp_path / "helium.yaml").write_text(helium)
+        families.cache_clear()
+        assert "self-check failed" in (load_model("tiny-helium").info.rope_unsupported or "")
+    finally:
+        monkeypatch.delenv("KVPROBE_FAMILY_PATH")
+        families.cache_clear()
