@@ -6,7 +6,7 @@
 Each (family, seed) run writes ``<out>/<family>-s<seed>.json`` (the training manifest) as it ends,
 so an interrupted run resumes where it stopped; ``--save-seed S`` also keeps that seed's model
 folders under ``<out>/toy-<family>/``. The table (held-out figures, the smallest margin over the
-thresholds, failures against today's :data:`~kvprobe.models.toy.THRESHOLDS`) goes to
+thresholds, failures against today's :data:`~kvprobe.toys.evaluate.THRESHOLDS`) goes to
 ``<out>/table.md``. ``--ship`` copies the saved seed-0 folders to ``src/kvprobe/models/toys/``
 (what ``toy-<family>`` loads), with ``heldout_failures`` judged by today's thresholds. Runs are
 deterministic per CPU type; wall times are noisy when two run at once.

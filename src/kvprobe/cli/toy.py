@@ -1,4 +1,4 @@
-"""``kvprobe toy``: train and evaluate the toy field-edit models (see :mod:`kvprobe.models.toy`)."""
+"""``kvprobe toy``: train and evaluate the toy field-edit models (see :mod:`kvprobe.toys` and :mod:`kvprobe.models.toy_folder`)."""
 
 from __future__ import annotations
 
