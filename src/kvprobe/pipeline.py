@@ -26,15 +26,30 @@ import pandas as pd
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvprobe.composer.gate import run_compose, summarize_compose
 from kvprobe.datasets import ERRATUM, ERRATUM_TEMPLATES, Skip, align, resolve_dataset
+from kvprobe.datasets.tokens import case_tokens
+from kvprobe.editor.causal_rule import fit_rule
 from kvprobe.editor.rankings import RANKINGS
 from kvprobe.editor.runner import DEFAULT_STRATEGIES, edit_case
 from kvprobe.editor.strategies import Strategy, parse_strategy
+from kvprobe.editor.topk import export_topk, kinds_of_top
 from kvprobe.errors import KvprobeError
+from kvprobe.models import load_model
 from kvprobe.probes import STAGES, Inputs, in_order
-from kvprobe.results import (COMPOSE, EDITS, MANIFEST,
-                             RANKING_RULE, TOKENS, VALIDITY, CaseStore, atomic_write_json, atomic_write_parquet,
-                             claim_folder)
+from kvprobe.probes.field_following import check_case, summarize
+from kvprobe.results import (
+    COMPOSE,
+    EDITS,
+    MANIFEST,
+    RANKING_RULE,
+    TOKENS,
+    VALIDITY,
+    CaseStore,
+    atomic_write_json,
+    atomic_write_parquet,
+    claim_folder,
+)
 
 DEFAULT_MODEL = "toy-qwen2"
 ALL_PROBES = tuple(STAGES)  # every registered probe, in registration order
@@ -42,7 +57,6 @@ ALL_PROBES = tuple(STAGES)  # every registered probe, in registration order
 
 class RunConfig(BaseModel):
     """Everything that defines a run (loadable from YAML; unknown keys are errors)."""
-
     model_config = ConfigDict(extra="forbid")
 
     model: str = DEFAULT_MODEL
@@ -207,7 +221,6 @@ def run_probes(cfg: RunConfig, lm, valid: list, out: Path, stages: Stages) -> di
 @dataclass
 class Selection:
     """The run's cases: generated or loaded, aligned, checked for validity, and split."""
-
     cases: list
     aligned: dict  # case_id -> AlignedCase
     skipped: list  # Skip, one per case that does not align
@@ -229,8 +242,6 @@ class Selection:
 
 def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
     """Run everything ``cfg`` asks for into ``out``; returns the manifest."""
-    from kvprobe.models import load_model
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     claim_folder(out, "config.json", cfg.model_dump(), settle=_settled)
@@ -245,17 +256,12 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
     compose_summary = run_compose_stage(cfg, lm, out, stages)
     manifest = write_manifest(cfg, lm, sel, compose_summary, out, {**stages.wall, "total": time.perf_counter() - t0})
     if rule is not None:
-        from kvprobe.editor.topk import export_topk
-
         export_topk(out)
     return manifest
 
 
 def select_cases(cfg: RunConfig, lm, out: Path, stages: Stages) -> Selection:
     """Align the dataset, check every case's validity (resumable), choose what is probed and edited."""
-    from kvprobe.datasets.tokens import case_tokens  # token text for the notes map (data, not rendering)
-    from kvprobe.probes.field_following import check_case
-
     kwargs = {"few_shot": cfg.few_shot} if cfg.dataset == "default" else {}
     cases = resolve_dataset(cfg.dataset, n=cfg.n, seed=cfg.seed, **kwargs)
     sel = Selection(cases, {}, [])
@@ -288,9 +294,6 @@ def select_cases(cfg: RunConfig, lm, out: Path, stages: Stages) -> Selection:
 
 def learn_rule(cfg: RunConfig, locality: pd.DataFrame, sel: Selection, out: Path):
     """The causal ranking rule, learned on the ranking half only (None without a locality table)."""
-    from kvprobe.editor.causal_rule import fit_rule
-    from kvprobe.editor.topk import kinds_of_top
-
     if not len(locality):
         return None
     rule = fit_rule(locality, {c: sel.aligned[c] for c in sel.rank_ids}, cfg.min_flip)
@@ -335,7 +338,6 @@ def run_compose_stage(cfg: RunConfig, lm, out: Path, stages: Stages) -> list[dic
     """With ``compose: N``, the composition gate on N queries (as ``kvprobe validate``); its summary rows."""
     if not cfg.compose:
         return []
-    from kvprobe.composer.gate import run_compose, summarize_compose
 
     tick = stages.progress("compose", cfg.compose)
     composed = stages.run("compose", lambda: run_compose(
@@ -348,8 +350,6 @@ def run_compose_stage(cfg: RunConfig, lm, out: Path, stages: Stages) -> list[dic
 def write_manifest(cfg: RunConfig, lm, sel: Selection, compose_summary: list[dict], out: Path,
                    wall_s: dict[str, float]) -> dict:
     """manifest.json: config, model fingerprint, versions, counts and skip reasons, wall time per stage."""
-    from kvprobe.probes.field_following import summarize
-
     validity = sel.validity
     manifest = {
         "kvprobe_run": 1, "config": cfg.model_dump(), "model": lm.fingerprint(), "model_info": lm.info.as_dict(),

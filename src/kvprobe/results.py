@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from kvprobe.errors import KvprobeError
+
 MANIFEST = "manifest.json"
 VALIDITY = "validity.parquet"
 EDITS = "edits.parquet"
@@ -60,7 +62,6 @@ def claim_folder(folder: Path | str, name: str, config: dict, settle=lambda stor
                  held: str = "run with a different configuration") -> None:
     """Record ``config`` as ``<folder>/<name>``, or, when a run already left one there, refuse the
     folder unless ``settle(stored) == config`` (so a rerun resumes only what it would have done)."""
-    from kvprobe.errors import KvprobeError
 
     path = Path(folder) / name
     if path.exists():

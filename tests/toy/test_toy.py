@@ -19,7 +19,7 @@ from kvprobe.datasets import generate, render_prompt
 from kvprobe.errors import KvprobeError
 from kvprobe.models import fingerprint, toy_folder
 from kvprobe.models.adapter import Adapter
-from kvprobe.toys import data as toy_data
+from kvprobe.toys import examples as toy_data
 from kvprobe.toys import evaluate as toy_eval
 from kvprobe.toys import train as toy_train
 

@@ -25,7 +25,7 @@ models_app = typer.Typer(help="List, fetch and inspect models.", invoke_without_
 app.add_typer(models_app, name="models")
 
 from kvprobe.cli.common import console, err_console  # noqa: E402
-from kvprobe.cli.data import datasets_app  # noqa: E402
+from kvprobe.cli.datasets import datasets_app  # noqa: E402
 from kvprobe.cli.toy import toy_app  # noqa: E402
 
 from kvprobe.cli.edit import edit  # noqa: E402

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from kvprobe.datasets.domains import CONTROL_FIELDS, DOMAINS, OPTIONS, DecisionField, DomainSpec
 from kvprobe.datasets.render import SCAFFOLD, render_body
 from kvprobe.datasets.schema import POSITIONS, Demo, EditCase
+from kvprobe.datasets.words import words
 from kvprobe.errors import KvprobeError
 
 ERRATUM = (
@@ -188,8 +189,6 @@ def _demos(rng: random.Random, domain: str, k: int, common: dict) -> list[Demo]:
 
 def vocabulary() -> list[str]:
     """Every token the generator, the renderer (raw form) and the errata can emit; sorted."""
-    from kvprobe.datasets.words import words
-
     texts: list[str] = ["\n", *SCAFFOLD, *OPTIONS, ERRATUM, SHORT_ERRATUM]
     for name, pool in CONTROL_FIELDS.items():
         texts += [name, *pool]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from kvprobe.datasets.generate import generate
 from kvprobe.datasets.schema import EditCase
 from kvprobe.errors import KvprobeError
 from kvprobe.results import atomic_write
@@ -66,7 +67,6 @@ def load_jsonl(path: str | Path) -> list[EditCase]:
 def resolve_dataset(spec: str | None, n: int | None = None, seed: int = 0, **generate_kwargs) -> list:
     """Cases from a dataset spec: ``None``/``"default"`` generates ``n`` cases (default 40) with
     ``seed``; anything else is a JSONL path (its first ``n`` cases when ``n`` is given)."""
-    from kvprobe.datasets.generate import generate
 
     if spec in (None, "default"):
         return generate(n or 40, seed=seed, **generate_kwargs)

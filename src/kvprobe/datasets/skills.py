@@ -42,7 +42,19 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 
 from kvprobe.datasets.domains import DOMAINS, OPTIONS, DecisionField, DomainSpec
-from kvprobe.datasets.render import ANSWER_CUE, ANSWER_WITH, BULLET, CONTEXT, NOTES, POLICY, RECORD, REQUEST
+from kvprobe.datasets.render import (
+    ANSWER_CUE,
+    ANSWER_WITH,
+    BULLET,
+    CONTEXT,
+    NOTES,
+    POLICY,
+    RECORD,
+    REQUEST,
+    resolve_form,
+)
+from kvprobe.datasets.spans import bos_prefix
+from kvprobe.datasets.words import words
 from kvprobe.errors import KvprobeError
 
 SKILL_KINDS = ("policy", "tool", "passage")
@@ -88,8 +100,6 @@ class ComposeSet:
 def _counter(tokenizer):
     """Tokens of one line (with its newline) under ``tokenizer``, or word-level tokens."""
     if tokenizer is None:
-        from kvprobe.datasets.words import words
-
         return lambda line: len(words(line + "\n"))
     return lambda line: len(tokenizer.encode(line + "\n", add_special_tokens=False))
 
@@ -257,7 +267,6 @@ class QuerySegments:
 @dataclass(frozen=True)
 class Segments:
     """A set tokenized for one model: the context is preamble + lead + skills... + query."""
-
     form: str
     preamble: list[int]
     skills: dict[str, list[int]]
@@ -274,8 +283,6 @@ def head_tail(tokenizer, system: str, form: str = "auto") -> tuple[str, str, str
     turn for templates that reject a system role). Raw: BOS (when the tokenizer adds one) and
     the system line before, the ``Answer:`` cue after.
     """
-    from kvprobe.datasets.render import resolve_form
-    from kvprobe.datasets.spans import bos_prefix
 
     resolved = resolve_form(tokenizer, form)
     if resolved == "raw":

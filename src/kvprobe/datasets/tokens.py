@@ -17,7 +17,8 @@ from collections.abc import Iterable
 
 import pandas as pd
 
-from kvprobe.datasets.spans import region_of
+from kvprobe.datasets.render import render_pair
+from kvprobe.datasets.spans import bos_prefix, region_of
 from kvprobe.results import TOKENS  # noqa: F401  (re-exported)
 
 TOKEN_COLUMNS = ("case_id", "position", "token", "token_new", "kind", "region")
@@ -48,9 +49,6 @@ def token_texts(tokenizer, text: str, ids: list[int]) -> list[str]:
 
 def case_tokens(lm, aligned: Iterable) -> pd.DataFrame:
     """Token rows (:data:`TOKEN_COLUMNS`) for aligned cases (``kvprobe.datasets.AlignedCase``)."""
-    from kvprobe.datasets.render import render_pair
-    from kvprobe.datasets.spans import bos_prefix
-
     tok = lm.tokenizer
     records = []
     for a in aligned:

@@ -16,6 +16,7 @@ import yaml
 
 from kvprobe.errors import KvprobeError
 from kvprobe.metrics import mean_ci
+from kvprobe.results import EDITS, MANIFEST, RANKING_RULE, atomic_write
 
 SCHEMA_VERSION = 1
 TOPK_FILE = "topk.yaml"
@@ -70,8 +71,6 @@ def kinds_of_top(rule, aligned, k: int) -> dict:
 
 
 def write_topk(cfg: dict, path: Path | str) -> Path:
-    from kvprobe.results import atomic_write
-
     return atomic_write(Path(path), lambda tmp: tmp.write_text(yaml.safe_dump(cfg, sort_keys=False)))
 
 
@@ -79,7 +78,6 @@ def export_topk(results_dir: Path | str, out: Path | str | None = None, threshol
     """Compute the top-K YAML from a results folder (edits + ranking rule + manifest); returns its path."""
     import json
 
-    from kvprobe.results import EDITS, MANIFEST, RANKING_RULE
 
     results_dir = Path(results_dir)
     if not (results_dir / MANIFEST).exists():

@@ -23,6 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from kvprobe.errors import KvprobeError
+from kvprobe.kv.mask import additive_mask
 
 
 def _cache_kwarg() -> str:
@@ -190,7 +191,6 @@ def masked_forward(lm, input_ids: torch.Tensor, cache: DynamicCache, positions: 
     may attend to (default: all, subject to causality by position). The new tokens' K/V are
     appended to ``cache`` in place, at indices N..N+S-1.
     """
-    from kvprobe.kv.mask import additive_mask
 
     if input_ids.ndim == 1:
         input_ids = input_ids[None]

@@ -18,7 +18,9 @@ from kvprobe.errors import KvprobeError
 from kvprobe.models import bundled
 from kvprobe.models.adapter import Adapter
 from kvprobe.models.fingerprint import weights_sha256
+from kvprobe.models.rope import self_check
 from kvprobe.models.tiny import build_tiny, tiny_names
+from kvprobe.models.toy_folder import load_toy, load_toy_folder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ROPE_TOL = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}  # self-check tolerance at shift 37
@@ -27,7 +29,6 @@ ROPE_TOL = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}  # self-check to
 @dataclass
 class ModelInfo:
     """Where a model came from, and its fingerprint (computed lazily; hashing weights takes time)."""
-
     spec: str
     family: str
     source: str  # "bundled", "tiny", "toy", "gguf", "folder", "hub"
@@ -46,7 +47,6 @@ class ModelInfo:
 @dataclass
 class LoadedModel:
     """A model ready for kvprobe: the HF model (eval mode), its tokenizer and family adapter."""
-
     model: Any
     tokenizer: Any
     adapter: Adapter
@@ -88,8 +88,6 @@ class LoadedModel:
 
 
 def _finish(model, tokenizer, spec: str, source: str, dtype: str, device: str, note: str = "") -> LoadedModel:
-    from kvprobe.models.rope import self_check
-
     adapter = Adapter.for_config(model.config)
     model = model.to(device=device, dtype=DTYPES[dtype]).eval()
     n_params = sum(p.numel() for p in model.parameters())
@@ -136,8 +134,6 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu", progress=
         model, tok = build_tiny(spec)
         return _finish(model, tok, spec, "tiny", dtype, device, "random weights: for mechanics only")
     if spec.startswith("toy-"):
-        from kvprobe.models.toy_folder import load_toy
-
         model, tok, note = load_toy(spec, allow_failed=allow_failed_toy)
         return _finish(model, tok, spec, "toy", dtype, device, note)
     if spec in bundled.BUNDLED:
@@ -152,7 +148,6 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu", progress=
         model, tok = _from_folder(path.parent, gguf_file=path.name, attn=attn)
         return _finish(model, tok, spec, "gguf", dtype, device)
     if path.is_dir() and (path / "toy_manifest.json").exists():  # a toy made by `kvprobe toy train`
-        from kvprobe.models.toy_folder import load_toy_folder
 
         model, tok, note = load_toy_folder(path, allow_failed=allow_failed_toy)
         return _finish(model, tok, spec, "toy", dtype, device, note)

@@ -12,9 +12,10 @@ import functools
 import torch
 import transformers
 
+from kvprobe.datasets import vocabulary
+from kvprobe.datasets.words import build_word_tokenizer
 from kvprobe.errors import KvprobeError
 from kvprobe.models.adapter import families
-from kvprobe.datasets.words import build_word_tokenizer
 
 TINY_SEED = 1234
 
@@ -33,8 +34,6 @@ def tiny_names() -> list[str]:
 @functools.cache
 def word_tokenizer():
     """The shared word-level tokenizer of tiny and toy models (generator vocabulary)."""
-    from kvprobe.datasets import vocabulary
-
     return build_word_tokenizer(vocabulary())
 
 

@@ -14,12 +14,13 @@ from pathlib import Path
 
 from jinja2 import ChoiceLoader, Environment, FileSystemLoader, PackageLoader, StrictUndefined, select_autoescape
 
+from kvprobe.datasets.tokens import TOKENS
 from kvprobe.errors import KvprobeError
 from kvprobe.reports.folder import Run, load_runs
 from kvprobe.reports.sections import SECTIONS, in_order
-from kvprobe.reports.sections.common import fmt
+from kvprobe.reports.sections.shared import fmt
 from kvprobe.reports.stats import MAX_CI_WIDTH, MIN_N, RULE
-from kvprobe.datasets.tokens import TOKENS
+from kvprobe.results import atomic_write
 
 TEMPLATE = "report.html"
 
@@ -59,7 +60,5 @@ def render_html(results_dirs) -> str:
 
 def render_report(results_dirs: list[Path], out: Path) -> Path:
     """Write the self-contained HTML report of ``results_dirs`` to ``out`` (atomically); returns ``out``."""
-    from kvprobe.results import atomic_write
-
     html = render_html(results_dirs)
     return atomic_write(Path(out), lambda tmp: tmp.write_text(html, encoding="utf-8"))

@@ -12,7 +12,7 @@ import torch
 from kvprobe.datasets import SHORT_ERRATUM, erratum_text, generate, render_prompt
 from kvprobe.datasets.spans import option_ids
 from kvprobe.kv.readout import predicted
-from kvprobe.toys.data import ToyData, unseen_cases, with_control_line, without_control_line
+from kvprobe.toys.examples import ToyData, unseen_cases, with_control_line, without_control_line
 
 EVAL_SEED = 10_001
 OPTIONS = ("yes", "no")

@@ -24,7 +24,7 @@ from kvprobe.models.adapter import families
 from kvprobe.models.fingerprint import weights_sha256
 from kvprobe.models.tiny import word_tokenizer
 from kvprobe.models.toy_folder import MANIFEST, TOY_SEED, toy_arch, toy_config, toy_dir, toy_family
-from kvprobe.toys.data import ToyData, training_examples
+from kvprobe.toys.examples import ToyData, training_examples
 from kvprobe.toys.evaluate import EVAL_SEED, OPTIONS, decision_logits, evaluate_toy, threshold_failures
 
 

@@ -8,7 +8,7 @@ from markupsafe import Markup
 from kvprobe.probes.attention import ATTN_REGIONS
 from kvprobe.reports.figures import PALETTE, new_figure, to_img
 from kvprobe.reports.folder import Run
-from kvprobe.reports.sections.common import decision_rows
+from kvprobe.reports.sections.shared import decision_rows
 from kvprobe.reports.sections.registry import Section, register
 from kvprobe.reports.stats import Stat
 from kvprobe.results import ATTENTION

@@ -9,7 +9,7 @@ from markupsafe import Markup
 
 from kvprobe.reports.figures import PALETTE, errbar, finite, new_figure, to_img
 from kvprobe.reports.folder import Run
-from kvprobe.reports.sections.common import decision_rows, guard, guard_note
+from kvprobe.reports.sections.shared import decision_rows, guard, guard_note
 from kvprobe.reports.sections.registry import Section, register
 from kvprobe.reports.stats import Stat
 from kvprobe.results import KNOCKOUT

@@ -10,7 +10,7 @@ from kvprobe.datasets.tokens import TOKENS
 from kvprobe.probes.base import single_position_sweep
 from kvprobe.reports.figures import finite
 from kvprobe.reports.folder import Run
-from kvprobe.reports.sections.common import decision_rows, guard, guard_note
+from kvprobe.reports.sections.shared import decision_rows, guard, guard_note
 from kvprobe.reports.sections.registry import Section, register
 from kvprobe.reports.stats import Stat, nanfloat
 from kvprobe.results import CONCENTRATION, LOCALITY, VALIDITY

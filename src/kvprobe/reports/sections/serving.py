@@ -11,7 +11,7 @@ from markupsafe import Markup
 
 from kvprobe.reports.figures import PALETTE, finite, new_figure, to_img
 from kvprobe.reports.folder import Run
-from kvprobe.reports.sections.common import fmt
+from kvprobe.reports.sections.shared import fmt
 from kvprobe.reports.sections.registry import Section, register
 from kvprobe.reports.stats import Stat, nanfloat
 from kvprobe.results import SERVING
