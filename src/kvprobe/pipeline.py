@@ -57,6 +57,7 @@ ALL_PROBES = tuple(STAGES)  # every registered probe, in registration order
 
 class RunConfig(BaseModel):
     """Everything that defines a run (loadable from YAML; unknown keys are errors)."""
+
     model_config = ConfigDict(extra="forbid")
 
     model: str = DEFAULT_MODEL
@@ -221,6 +222,7 @@ def run_probes(cfg: RunConfig, lm, valid: list, out: Path, stages: Stages) -> di
 @dataclass
 class Selection:
     """The run's cases: generated or loaded, aligned, checked for validity, and split."""
+
     cases: list
     aligned: dict  # case_id -> AlignedCase
     skipped: list  # Skip, one per case that does not align

@@ -267,6 +267,7 @@ class QuerySegments:
 @dataclass(frozen=True)
 class Segments:
     """A set tokenized for one model: the context is preamble + lead + skills... + query."""
+
     form: str
     preamble: list[int]
     skills: dict[str, list[int]]

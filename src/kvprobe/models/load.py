@@ -29,6 +29,7 @@ ROPE_TOL = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}  # self-check to
 @dataclass
 class ModelInfo:
     """Where a model came from, and its fingerprint (computed lazily; hashing weights takes time)."""
+
     spec: str
     family: str
     source: str  # "bundled", "tiny", "toy", "gguf", "folder", "hub"
@@ -47,6 +48,7 @@ class ModelInfo:
 @dataclass
 class LoadedModel:
     """A model ready for kvprobe: the HF model (eval mode), its tokenizer and family adapter."""
+
     model: Any
     tokenizer: Any
     adapter: Adapter
