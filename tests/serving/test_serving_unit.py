@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -429,3 +430,12 @@ def test_cli_serve_bench_prints_the_summary(byte_bench, fake_vllm, tmp_path):
     assert res.exit_code == 0, res.output
     assert "erratum against the in-prefix edit" in res.output and "edit_unique" in res.output
     assert len(pd.read_parquet(out / SERVING)) == 4 * len(ARMS)
+
+
+def test_the_server_runs_bfloat16_only_where_the_cpu_computes_it(monkeypatch):
+    from kvprobe.serving import server as srv
+
+    for native, dtype in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(srv, "native_bf16", lambda: native)
+        cmd = srv.command("smollm2-135m", Path("/models/x"), 8000)
+        assert cmd[cmd.index("--dtype") + 1] == dtype

@@ -7,7 +7,7 @@ own, so :func:`stop` ends the API server and its engine-core processes together.
 
 The served model is the alias's dequantised safetensors folder (``kvprobe models fetch``), offline,
 with automatic prefix caching, per-request cached-token counts, ``--block-size`` 32 (CPU default
-128) and a 4 GiB KV cache.
+128), a 4 GiB KV cache, and bfloat16 only where the CPU computes it natively (:func:`server_dtype`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvprobe.errors import KvprobeError
+from kvprobe.hardware import native_bf16
 from kvprobe.paths import home
 from kvprobe.serving import env
 
@@ -125,12 +126,18 @@ def healthy(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+def server_dtype() -> str:
+    """bfloat16 (vLLM's CPU default) where the CPU computes it natively, else float32: emulated
+    bfloat16 made a 1,500-token prefill at saturation outlast the 300 s request timeout here."""
+    return "bfloat16" if native_bf16() else "float32"
+
+
 def command(alias: str, folder: Path, port: int, block_size: int = BLOCK_SIZE, venv: Path | None = None) -> list[str]:
     """The server's command line (the launcher is vLLM's `vllm` command)."""
     return [str(env.python_of(venv)), str(env.launcher_of(venv)), "serve", str(folder),
             "--host", "127.0.0.1", "--port", str(port), "--served-model-name", alias,
             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--block-size", str(block_size),
-            "--generation-config", "vllm", "--uvicorn-log-level", "warning"]
+            "--dtype", server_dtype(), "--generation-config", "vllm", "--uvicorn-log-level", "warning"]
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child

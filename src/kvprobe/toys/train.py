@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import platform
 import random
 import shutil
 import tempfile
@@ -20,6 +18,7 @@ import torch
 import transformers
 
 from kvprobe.datasets.spans import option_ids
+from kvprobe.hardware import machine
 from kvprobe.models.adapter import families
 from kvprobe.models.fingerprint import weights_sha256
 from kvprobe.models.tiny import word_tokenizer
@@ -185,25 +184,6 @@ def train_toy(family: str, *, seed: int = TOY_SEED, train: ToyTrain | None = Non
     if save:
         result.folder, result.paths = save_toy(model, tokenizer, manifest, Path(out) if out else toy_dir(family))
     return result
-
-
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile")
-
-
-def machine() -> dict:
-    """The CPU a toy was trained on: its name and the instruction sets that pick torch's kernels
-    (other kernels sum in another order, so the same recipe gives other weights there)."""
-    cpu, flags = platform.processor() or platform.machine(), set()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and cpu in ("", platform.machine(), platform.processor()):
-                cpu = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-                break
-    return {"cpu": cpu, "arch": platform.machine(), "cores": os.cpu_count(),
-            "isa": [f for f in ISA_FLAGS if f in flags]}
 
 
 def save_toy(model, tokenizer, manifest: dict, folder: Path) -> tuple[Path, list[Path]]:
