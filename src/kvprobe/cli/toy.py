@@ -1,4 +1,5 @@
-"""``kvprobe toy``: train and evaluate the toy field-edit models (see :mod:`kvprobe.toys` and :mod:`kvprobe.models.toy_folder`)."""
+"""``kvprobe toy``: train and evaluate the toy field-edit models (see :mod:`kvprobe.toys` and
+:mod:`kvprobe.models.toy_folder`)."""
 
 from __future__ import annotations
 
@@ -79,8 +80,8 @@ def train(family: str = typer.Option(..., help=FAMILY_HELP),
             if not err_console.is_terminal and (step % 200 == 0 or step == total):
                 say(f"toy-{family}", f"step {step}/{total}, loss {loss:.3f}")
 
-        result = toy_train.train_toy(family, seed=toy_folder.TOY_SEED if seed is None else seed, train=recipe, on_step=on_step,
-                               out=folder, progress=lambda msg: say(f"toy-{family}", msg))
+        result = toy_train.train_toy(family, seed=toy_folder.TOY_SEED if seed is None else seed, train=recipe,
+                                     on_step=on_step, out=folder, progress=lambda msg: say(f"toy-{family}", msg))
     m = result.manifest
     console.print(f"toy-{family} saved to {result.folder} ({m['train_wall_s']} s training, "
                   f"{m['eval_wall_s']} s evaluation, weights {m['weights_sha256'][:16]})")

@@ -82,7 +82,8 @@ def save_block(block: Block, lm, path: Path | str) -> Path:
         "rope": _rope(lm),
     }
     header["checksum"] = _checksum(header, tensors)
-    return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={META_KEY: json.dumps(header, sort_keys=True)}))
+    metadata = {META_KEY: json.dumps(header, sort_keys=True)}
+    return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def read_header(path: Path | str) -> dict:

@@ -57,8 +57,8 @@ FAMILY_PATH = "KVPROBE_FAMILY_PATH"  # more folders of family files, separated l
 
 
 def _family_files() -> list:
-    files = sorted((e for e in (resources.files("kvprobe.models") / "families").iterdir() if e.name.endswith(".yaml")),
-                   key=lambda e: e.name)
+    packaged = resources.files("kvprobe.models") / "families"  # read as a folder, not imported as a package
+    files = sorted((e for e in packaged.iterdir() if e.name.endswith(".yaml")), key=lambda e: e.name)
     for folder in filter(None, os.environ.get(FAMILY_PATH, "").split(os.pathsep)):
         files += sorted(Path(folder).glob("*.yaml"))
     return files
