@@ -1,15 +1,49 @@
-"""User-facing errors: one line that names the problem and what is accepted.
+"""User-facing errors: one line that names the problem and what is accepted, and an exit code.
 
-The CLI prints ``KvprobeError`` messages as a single line and exits non-zero; anything
-else is a bug and keeps its traceback.
+The CLI prints a ``KvprobeError`` as a single line and exits with its ``exit_code``; anything
+else is a bug and keeps its traceback. The exit codes (docs/cli.md documents them)::
+
+    0    ok
+    1    a gate or check ran and failed (CheckFailed)
+    2    usage: a bad option, value or combination, or an --out that cannot be used (UsageError)
+    3    bad input data or files: a dataset, config, model file or results folder (KvprobeError)
+    4    environment: a model that cannot be fetched, a missing or dead server (EnvironmentProblem)
+    130  interrupted (Ctrl-C); finished work is kept and the same command resumes
 """
+
+EXIT_CODES = {
+    0: "ok",
+    1: "a gate or check ran and failed",
+    2: "usage: a bad option, value or combination, or an --out that cannot be used",
+    3: "bad input data or files: a dataset, config, model file or results folder",
+    4: "environment: a model that cannot be fetched, a missing or dead server",
+    130: "interrupted (Ctrl-C); finished work is kept and the same command resumes",
+}
 
 
 class KvprobeError(Exception):
-    """A problem with the user's input or environment, explained in one line."""
+    """A problem with the user's input data or files, explained in one line (exit status 3)."""
 
-    exit_code = 2
+    exit_code = 3
 
     def __init__(self, message: str):
         message = " ".join(str(message).split())  # always one line
         super().__init__(message)
+
+
+class UsageError(KvprobeError):
+    """A bad option, option value or combination, or an unusable --out (exit status 2)."""
+
+    exit_code = 2
+
+
+class CheckFailed(KvprobeError):
+    """A gate or check ran and its result failed (exit status 1)."""
+
+    exit_code = 1
+
+
+class EnvironmentProblem(KvprobeError):
+    """Something outside the inputs is missing or broken: no network, no vLLM, a dead server (exit status 4)."""
+
+    exit_code = 4

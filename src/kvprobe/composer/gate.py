@@ -15,7 +15,7 @@ from kvprobe.composer.splice import Composer, context_ids, oracle_logits
 from kvprobe.composer.store import SUFFIX, load_block, save_block
 from kvprobe.datasets.skills import generate_compose, segments
 from kvprobe.datasets.spans import option_ids
-from kvprobe.errors import KvprobeError
+from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.kv.readout import option_scores
 from kvprobe.metrics import compare, mean_ci
 
@@ -59,7 +59,7 @@ def run_compose(lm, n: int = 50, seed: int = 0, seams: Sequence[int] = SEAMS,
     check_composable(lm)
     seams = sorted({int(s) for s in seams})
     if not seams or seams[0] < 0:
-        raise KvprobeError(f"seams must be integers >= 0, got {list(seams)}")
+        raise UsageError(f"seams must be integers >= 0, got {list(seams)}")
     data = generate_compose(n, seed=seed, tokenizer=lm.tokenizer, block_tokens=block_tokens, n_blocks=n_blocks)
     segs = segments(data, lm.tokenizer, form)
     options = {opt: option_token_ids(lm.tokenizer, opt) for opt in data.options}

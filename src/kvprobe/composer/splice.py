@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kvprobe.composer.blocks import Block, check_block, check_composable
-from kvprobe.errors import KvprobeError
+from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.kv import cache as kvcache
 
 
@@ -82,7 +82,7 @@ class Composer:
         first ``seam`` tokens fed fresh against everything before them."""
         check_block(self.lm, block)
         if seam < 0:
-            raise KvprobeError(f"seam must be >= 0, got {seam}")
+            raise UsageError(f"seam must be >= 0, got {seam}")
         T, p = len(block), len(self.ids)
         self._room(T, f"block {block.name or '(unnamed)'}")
         s = min(seam, T)
@@ -136,7 +136,7 @@ def compose_fused(lm, parts: Sequence[Part], seam: int = 0, rerotate: bool = Tru
     """
     check_composable(lm)
     if seam < 0:
-        raise KvprobeError(f"seam must be >= 0, got {seam}")
+        raise UsageError(f"seam must be >= 0, got {seam}")
     if not parts or isinstance(parts[-1], Block) or not len(parts[-1]):
         raise KvprobeError("the last part of a fused composition must be (non-empty) text: the query")
     c = Composer(lm)

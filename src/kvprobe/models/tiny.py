@@ -14,7 +14,7 @@ import transformers
 
 from kvprobe.datasets import vocabulary
 from kvprobe.datasets.words import build_word_tokenizer
-from kvprobe.errors import KvprobeError
+from kvprobe.errors import UsageError
 from kvprobe.models.adapter import families
 
 TINY_SEED = 1234
@@ -44,7 +44,7 @@ def tiny_config(name: str, vocab_size: int, **overrides):
     elif name.startswith("tiny-") and name[5:] in families():
         fam_name, extra = name[5:], {}
     else:
-        raise KvprobeError(f"unknown tiny model {name!r}; known: {', '.join(tiny_names())}")
+        raise UsageError(f"unknown tiny model {name!r}; known: {', '.join(tiny_names())}")
     fam = families()[fam_name]
     kwargs = {**fam.tiny, **extra, **overrides}
     kwargs.update(vocab_size=vocab_size, pad_token_id=0, bos_token_id=2, eos_token_id=3, tie_word_embeddings=False)

@@ -46,7 +46,7 @@ from transformers import DynamicCache
 
 from kvprobe.datasets import AlignedCase
 from kvprobe.kv.readout import logit_diff, predicted
-from kvprobe.errors import KvprobeError
+from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.kv import cache as kvcache
 from kvprobe.kv.hooks import hooks
 from kvprobe.probes.base import Inputs, ProbeStage, register, rows, run_each, top_notes
@@ -81,8 +81,8 @@ def band_layers(band: str, n_layers: int) -> tuple[int, ...]:
         return tuple(lay for lay in range(n_layers) if 3 * lay // n_layers == third)
     if band.startswith("layer") and band[5:].isdigit() and int(band[5:]) < n_layers:
         return (int(band[5:]),)
-    raise KvprobeError(f"unknown layer band {band!r}; accepted: all, early, middle, late, "
-                       f"layer0..layer{n_layers - 1}")
+    raise UsageError(f"unknown layer band {band!r}; accepted: all, early, middle, late, "
+                     f"layer0..layer{n_layers - 1}")
 
 
 # -- hooks -----------------------------------------------------------------------------------
@@ -139,7 +139,7 @@ def head_patching(lm, patches: Sequence[HeadSet], source: torch.Tensor | None) -
     for b, heads in enumerate(patches):
         for layer, head in heads:
             if not (0 <= layer < L and 0 <= head < H):
-                raise KvprobeError(f"no head ({layer}, {head}) in a model of {L} layers x {H} query heads")
+                raise UsageError(f"no head ({layer}, {head}) in a model of {L} layers x {H} query heads")
             sel[layer, b, head] = True
     if source is not None:
         assert source.shape == (L, H * hd), (source.shape, (L, H * hd))
@@ -292,7 +292,7 @@ class EdgeKnockout:
         ranked = self.ranked(lm, a, pc, m_of)
         sets, bands = self.sets(a, ranked), self.layer_bands(L)
         if not bands:
-            raise KvprobeError(f"no layers in bands {self.bands} for a model of {L} layers")
+            raise UsageError(f"no layers in bands {self.bands} for a model of {L} layers")
         plan = [(s, b) for s in sets for b in (bands if s[2] else bands[:1])]  # "none": once
         hidden = torch.zeros(len(plan), L, D, dtype=torch.bool)  # (B, L, D)
         for row, ((_, _, positions), (_, layers)) in enumerate(plan):

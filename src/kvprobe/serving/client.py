@@ -13,7 +13,7 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 
-from kvprobe.errors import KvprobeError
+from kvprobe.errors import EnvironmentProblem, KvprobeError, UsageError
 
 REQUEST_TIMEOUT_S = 300.0
 
@@ -43,7 +43,7 @@ def normalize_url(url: str) -> str:
         url = f"http://{url}"
     parsed = urllib.parse.urlsplit(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise KvprobeError(f"bad server URL {url!r}; give http://HOST:PORT of an OpenAI-compatible vLLM server")
+        raise UsageError(f"bad server URL {url!r}; give http://HOST:PORT of an OpenAI-compatible vLLM server")
     path = parsed.path.removesuffix("/v1").rstrip("/")
     return urllib.parse.urlunsplit((parsed.scheme, parsed.netloc, path, "", ""))
 
@@ -63,8 +63,8 @@ def served_models(url: str, timeout: float = 10.0) -> list[str]:
         data = get_json(f"{url}/v1/models", timeout)
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", None) or exc
-        raise KvprobeError(f"cannot reach an OpenAI-compatible server at {url} ({reason}); check --url, "
-                           f"or leave it out to use kvprobe's own server") from None
+        raise EnvironmentProblem(f"cannot reach an OpenAI-compatible server at {url} ({reason}); check --url, "
+                                 f"or leave it out to use kvprobe's own server") from None
     return [m.get("id") for m in data.get("data", []) if m.get("id")]
 
 

