@@ -16,7 +16,8 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-DEFAULT_MIN_FLIP = 1.0  # logits; below this the recovery ratio is not reported
+from kvprobe.defaults import DEFAULT_MIN_FLIP  # noqa: F401  (logits; below it no recovery ratio)
+
 N_BOOT = 2000
 
 

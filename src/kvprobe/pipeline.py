@@ -31,10 +31,11 @@ from kvprobe.datasets import ERRATUM, ERRATUM_TEMPLATES, Skip, align, resolve_da
 from kvprobe.datasets.tokens import case_tokens
 from kvprobe.editor.causal_rule import fit_rule
 from kvprobe.editor.rankings import RANKINGS
-from kvprobe.editor.runner import DEFAULT_STRATEGIES, edit_case
+from kvprobe.editor.runner import edit_case
 from kvprobe.editor.strategies import Strategy, parse_strategy
 from kvprobe.editor.topk import export_topk, kinds_of_top
-from kvprobe.errors import KvprobeError
+from kvprobe.defaults import DEFAULT_MIN_FLIP, DEFAULT_MODEL, DEFAULT_N, DEFAULT_STRATEGIES, FORMS
+from kvprobe.errors import CheckFailed, KvprobeError
 from kvprobe.models import load_model
 from kvprobe.probes import STAGES, Inputs, in_order
 from kvprobe.probes.field_following import check_case, summarize
@@ -51,8 +52,8 @@ from kvprobe.results import (
     claim_folder,
 )
 
-DEFAULT_MODEL = "toy-qwen2"
 ALL_PROBES = tuple(STAGES)  # every registered probe, in registration order
+RUN_CLAIM = "config.json"  # a run's settings, in its folder: a rerun resumes only with the same ones
 
 
 class RunConfig(BaseModel):
@@ -62,7 +63,7 @@ class RunConfig(BaseModel):
 
     model: str = DEFAULT_MODEL
     dataset: str = "default"
-    n: int = Field(40, ge=1)
+    n: int = Field(DEFAULT_N, ge=1)
     seed: int = 0
     form: str = "auto"
     few_shot: int = Field(0, ge=0)
@@ -71,7 +72,7 @@ class RunConfig(BaseModel):
     ks: list[int] = [1, 2, 4, 8, 16, 32, 64, 128]
     rankings: list[str] = ["causal", "random", "attention"]
     cot: list[int] = [0]
-    min_flip: float = Field(1.0, ge=0)
+    min_flip: float = Field(DEFAULT_MIN_FLIP, ge=0)
     holdout: float = Field(0.5, gt=0, lt=1)
     valid_only: bool = True  # False: probe every aligned decision case (e.g. a model that does not decide)
     max_controls: int | None = Field(None, ge=0)  # valid controls carried into the edits (a seeded sample); None = all
@@ -88,6 +89,20 @@ class RunConfig(BaseModel):
         if bad:
             raise ValueError(f"unknown probe(s) {bad}; accepted: {', '.join(STAGES)}")
         return v
+
+    @field_validator("form")
+    @classmethod
+    def _form(cls, v: str) -> str:
+        if v not in FORMS:
+            raise ValueError(f"unknown prompt form {v!r}; accepted: {', '.join(FORMS)}")
+        return v
+
+    @field_validator("cot")
+    @classmethod
+    def _cot(cls, v: list[int]) -> list[int]:
+        if not v or min(v) < 0:
+            raise ValueError(f"cot must be a non-empty list of token budgets >= 0 (0 = no chain-of-thought), got {v}")
+        return sorted(set(v))
 
     @field_validator("strategies")
     @classmethod
@@ -123,22 +138,50 @@ class RunConfig(BaseModel):
 
     @classmethod
     def from_yaml(cls, path: Path | str, **overrides) -> "RunConfig":
+        """The config in a YAML file (a mapping of RunConfig keys), with ``overrides`` (command-line
+        flags) on top. A bad file is a :class:`KvprobeError` naming it; a bad override, a :class:`UsageError`."""
         from pydantic import ValidationError
 
+        from kvprobe.errors import UsageError
+
+        keys = ", ".join(cls.model_fields)
         try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
+            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise KvprobeError(f"config file not found: {path}") from None
+        except IsADirectoryError:
+            raise KvprobeError(f"config {path} is a folder; give a YAML file") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise KvprobeError(f"config {path} cannot be read ({exc.strerror if isinstance(exc, OSError) else exc})"
+                               ) from None
         except yaml.YAMLError as exc:
             raise KvprobeError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            kind = {list: "a list", str: "a single string", int: "a single number", float: "a single number",
+                    bool: "a single boolean"}.get(type(data), f"a {type(data).__name__}")
+            raise KvprobeError(f"{path} holds {kind}; a run config is a mapping of RunConfig keys ({keys})")
+        bad = [k for k in data if not isinstance(k, str)]
+        if bad:
+            raise KvprobeError(f"{path}: key {bad[0]!r} is not a name; a run config is a mapping of RunConfig keys "
+                               f"({keys})")
         try:
             return cls(**{**data, **overrides})
         except ValidationError as exc:
             err = exc.errors()[0]
-            raise KvprobeError(f"{path}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+            loc = ".".join(map(str, err["loc"]))
+            if err["loc"] and err["loc"][0] in overrides:  # a flag is at fault, not the file
+                raise UsageError(f"bad run option --{str(err['loc'][0]).replace('_', '-')}: {err['msg']}") from None
+            hint = f"; accepted keys: {keys}" if err["type"] == "extra_forbidden" else ""
+            raise KvprobeError(f"{path}: {loc}: {err['msg']}{hint}") from None
+        except KvprobeError as exc:  # a validator's own one-line error (a bad strategy spec)
+            if "strategies" in overrides:
+                raise
+            raise KvprobeError(f"{path}: {exc}") from None
 
 
-def _settled(previous: dict) -> dict | None:
+def settled(previous: dict) -> dict | None:
     """A stored config with today's defaults filled in (so a field added since still matches);
     None when it no longer validates."""
     try:
@@ -242,16 +285,22 @@ class Selection:
         return [self.aligned[c] for c in self.control_ids]
 
 
-def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
-    """Run everything ``cfg`` asks for into ``out``; returns the manifest."""
+def run(cfg: RunConfig, out: Path | str, progress=None, lm=None, cases: list | None = None) -> dict:
+    """Run everything ``cfg`` asks for into ``out``; returns the manifest.
+
+    Every input is checked before ``out`` is claimed or any model work starts (:func:`prepare`);
+    ``cases`` are the dataset's cases when the caller already resolved them.
+    """
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    claim_folder(out, "config.json", cfg.model_dump(), settle=_settled)
     stages = Stages(progress or (lambda name, total: (lambda: None)))
     t0 = time.perf_counter()
 
+    cases = cases if cases is not None else load_cases(cfg)
     lm = lm or stages.run("load", lambda: load_model(cfg.model, dtype=cfg.dtype, device=cfg.device))
-    sel = select_cases(cfg, lm, out, stages)
+    sel = prepare(cfg, lm, cases)
+    out.mkdir(parents=True, exist_ok=True)
+    claim_folder(out, RUN_CLAIM, cfg.model_dump(), settle=settled)
+    select_cases(cfg, lm, sel, out, stages)
     tables = run_probes(cfg, lm, sel.valid, out, stages)
     rule = learn_rule(cfg, tables.get("locality", pd.DataFrame()), sel, out)
     run_edits_stage(cfg, lm, sel, rule, out, stages)
@@ -262,10 +311,17 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None) -> dict:
     return manifest
 
 
-def select_cases(cfg: RunConfig, lm, out: Path, stages: Stages) -> Selection:
-    """Align the dataset, check every case's validity (resumable), choose what is probed and edited."""
+def load_cases(cfg: RunConfig) -> list:
+    """The run's dataset: generated (``default``) or read from a JSONL file, checked line by line."""
     kwargs = {"few_shot": cfg.few_shot} if cfg.dataset == "default" else {}
-    cases = resolve_dataset(cfg.dataset, n=cfg.n, seed=cfg.seed, **kwargs)
+    return resolve_dataset(cfg.dataset, n=cfg.n, seed=cfg.seed, **kwargs)
+
+
+def prepare(cfg: RunConfig, lm, cases: list) -> Selection:
+    """Align every case and check, before any model work, what would otherwise fail late: every
+    case's length (with its chain-of-thought budget) against the model's window, and every
+    configured strategy against every case (a selective K against its downstream span, an
+    erratum prompt's length)."""
     sel = Selection(cases, {}, [])
     for case in cases:
         a = align(case, lm.tokenizer, cfg.form)
@@ -273,7 +329,25 @@ def select_cases(cfg: RunConfig, lm, out: Path, stages: Stages) -> Selection:
             sel.skipped.append(a)
         else:
             sel.aligned[case.case_id] = a
+    check_cases(lm, list(sel.aligned.values()), cfg.edit_strategies(), cfg.cot, cfg.form)
+    return sel
 
+
+def check_cases(lm, aligned: list, strategies: list[Strategy], cot: list[int], form: str) -> None:
+    """One-line errors, before any forward pass, for a case over the window or a strategy that cannot repair it."""
+    for a in aligned:
+        lm.check_length(len(a.ids_new) + 1, f"case {a.case.case_id}")
+        for budget in (c for c in cot if c > 0):
+            with_cot = align(a.case.model_copy(update={"cot": True}), lm.tokenizer, form)
+            if not isinstance(with_cot, Skip):
+                lm.check_length(len(with_cot.ids_new) + budget + 1,
+                                f"case {a.case.case_id} with a chain-of-thought budget of {budget} tokens")
+        for s in strategies:
+            s.check(lm, a)
+
+
+def select_cases(cfg: RunConfig, lm, sel: Selection, out: Path, stages: Stages) -> Selection:
+    """Check every aligned case's validity (resumable), choose what is probed and edited."""
     tick = stages.progress("validity", len(sel.aligned))
     validity = stages.run("validity", lambda: _per_case(
         CaseStore(out, "validity"), sel.aligned.items(), lambda a: pd.DataFrame([check_case(lm.model, a)]), tick))
@@ -286,9 +360,9 @@ def select_cases(cfg: RunConfig, lm, out: Path, stages: Stages) -> Selection:
     if cfg.max_controls is not None and len(sel.control_ids) > cfg.max_controls:
         sel.control_ids = sorted(random.Random(cfg.seed).sample(sel.control_ids, cfg.max_controls))
     if not sel.valid_ids:
-        raise KvprobeError(f"{cfg.model} answered no decision case correctly under both values "
-                           f"({len(sel.aligned)} aligned cases); the probes need a model that decides by the field "
-                           f"(or set valid_only: false to probe it anyway)")
+        raise CheckFailed(f"{cfg.model} answered no decision case correctly under both values "
+                          f"({len(sel.aligned)} aligned cases); the probes need a model that decides by the field "
+                          f"(or set valid_only: false to probe it anyway)")
     sel.rank_ids, sel.held_ids = split_holdout(sel.valid_ids, cfg.holdout, cfg.seed)
     atomic_write_parquet(case_tokens(lm, sel.valid + sel.controls), out / TOKENS)
     return sel
@@ -316,7 +390,7 @@ def run_edits_stage(cfg: RunConfig, lm, sel: Selection, rule, out: Path, stages:
     rankings = [r for r in cfg.rankings if r != "causal" or learned]
     held = set(sel.held_ids)
     edit_items = [(f"{a.case.case_id}.cot{c}", (a, c)) for a in sel.valid + sel.controls for c in cfg.cot]
-    tick = stages.progress("edits", len(edit_items) + len(held))
+    tick = stages.progress("edits", len(edit_items))
 
     def edit_one(item):
         a, cot = item

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
 import pandas as pd
 
-from kvprobe.errors import KvprobeError
+from kvprobe.errors import KvprobeError, UsageError
 
 MANIFEST = "manifest.json"
 VALIDITY = "validity.parquet"
@@ -32,6 +33,15 @@ SERVING_MANIFEST = "serving_manifest.json"
 REPORT = "report.html"
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()
+
+
 def atomic_write(path: Path | str, write) -> Path:
     """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it into place (the one
     atomic write: an interrupted writer never leaves a half-written file that looks finished)."""
@@ -41,6 +51,7 @@ def atomic_write(path: Path | str, write) -> Path:
     os.close(fd)
     try:
         write(Path(tmp))
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; a results file reads like any other file
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -58,24 +69,126 @@ def atomic_write_json(data: dict, path: Path | str) -> Path:
     return atomic_write(Path(path), lambda tmp: tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str)))
 
 
+# The file by which each command claims a results folder, holding the settings it ran with.
+RUN_CLAIM = "config.json"
+EDIT_CLAIM = "edit_config.json"
+VALIDATE_CLAIM = "validate_config.json"
+CLAIMS = {RUN_CLAIM: "kvprobe run", EDIT_CLAIM: "kvprobe edit", VALIDATE_CLAIM: "kvprobe validate",
+          SERVING_MANIFEST: "kvprobe serve-bench"}
+
+
+def refuse_foreign(folder: Path | str, own: str) -> None:
+    """Refuse a folder that holds another command's results, or files no kvprobe command claimed
+    (``own`` is the claim file of the command asking)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    for name, command in CLAIMS.items():
+        if name != own and (folder / name).exists():
+            raise UsageError(f"{folder} holds the results of `{command}` ({name}); choose another --out")
+    if not (folder / own).exists() and any(not p.name.startswith(".") for p in folder.iterdir()):
+        raise UsageError(f"{folder} is not empty and holds no kvprobe results of this command; choose a new or "
+                         f"empty --out")
+
+
 def claim_folder(folder: Path | str, name: str, config: dict, settle=lambda stored: stored,
                  held: str = "run with a different configuration") -> None:
     """Record ``config`` as ``<folder>/<name>``, or, when a run already left one there, refuse the
-    folder unless ``settle(stored) == config`` (so a rerun resumes only what it would have done)."""
+    folder unless ``settle(stored) == config`` (so a rerun resumes only what it would have done).
+    A folder with another command's claim, or with files and no claim, is refused too. Call it
+    only once every input is validated: a refused command must leave no claim behind."""
+    if not check_claim(folder, name, config, settle, held):
+        atomic_write_json(config, Path(folder) / name)
 
+
+def check_claim(folder: Path | str, name: str, config: dict, settle=lambda stored: stored,
+                held: str = "run with a different configuration") -> bool:
+    """What :func:`claim_folder` refuses, checked without writing anything (so a command can fail
+    fast, before loading a model); True when the folder already holds this very claim."""
     path = Path(folder) / name
+    refuse_foreign(folder, name)
     if path.exists():
-        if settle(json.loads(path.read_text())) != config:
-            raise KvprobeError(f"{folder} holds a {held}; choose another --out or remove it")
-    else:
-        atomic_write_json(config, path)
+        try:
+            stored = json.loads(path.read_text())
+        except ValueError:
+            raise KvprobeError(f"{path} is not valid JSON; remove the folder or choose another --out") from None
+        if settle(stored) != config:
+            differ = sorted(k for k in set(config) | set(stored if isinstance(stored, dict) else {})
+                            if not isinstance(stored, dict) or stored.get(k) != config.get(k))
+            raise UsageError(f"{folder} holds a {held} (differs in {', '.join(differ[:6]) or 'format'}); choose "
+                             f"another --out or remove it")
+        return True
+    return False
+
+
+_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.")
+
+
+def part_name(key: str) -> str:
+    """A file name for a part key (a case id): every character outside ``[A-Za-z0-9._-]``, a leading
+    dot and ``%`` itself percent-encoded, so no key holds a path separator or escapes its folder, and
+    two keys never share a name; a long key keeps a readable head and a hash."""
+    import hashlib
+
+    name = "".join(c if c in _SAFE else "".join(f"%{b:02X}" for b in c.encode()) for c in key)
+    if name.startswith("."):
+        name = "%2E" + name[1:]
+    if len(name) > 180:
+        name = name[:100] + "~" + hashlib.sha256(key.encode()).hexdigest()
+    return name
+
+
+def check_case_ids(case_ids) -> None:
+    """Refuse two cases whose ids are the same, or whose part files would be the same on a
+    case-insensitive file system (``Refund-1`` and ``refund-1``)."""
+    seen: dict[str, str] = {}
+    for cid in case_ids:
+        key = part_name(cid).lower()
+        if key in seen:
+            raise KvprobeError(f"case ids {seen[key]!r} and {cid!r} collide (the same id, or the same apart from "
+                               f"case); give every case a distinct case_id")
+        seen[key] = cid
+
+
+# -- reading a results folder: one line naming the file when it is not what a command wrote --
+def json_object(path: Path, keys: tuple[str, ...] = (), what: str = "a JSON object") -> dict:
+    """A JSON object file; not JSON, not an object, or without one of ``keys`` is a one-line
+    :class:`KvprobeError` naming the file and ``what`` it should be."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KvprobeError(f"{path} cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
+    except json.JSONDecodeError as exc:
+        raise KvprobeError(f"{path} is not valid JSON: {exc}") from None
+    missing = [k for k in keys if k not in data] if isinstance(data, dict) else list(keys)
+    if not isinstance(data, dict) or missing:
+        got = f"it lacks {', '.join(missing)}" if isinstance(data, dict) else f"it holds a {type(data).__name__}"
+        raise KvprobeError(f"{path} is not {what} ({got}); rerun the command that wrote it, or move the file away")
+    return data
+
+
+def read_table(path: Path) -> pd.DataFrame:
+    """A parquet table; a file that is not one is a one-line :class:`KvprobeError` naming it."""
+    try:
+        return pd.read_parquet(path)
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # pyarrow's errors are ValueError/OSError
+        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+        first = re.sub(r"^Could not open Parquet input source '[^']*': ", "", first)
+        if "magic bytes not found" in first:
+            first = "no parquet magic bytes: corrupted, or not a parquet file"
+        raise KvprobeError(f"{path} is not a readable parquet table ({first}); rerun the command that wrote it, "
+                           f"or move the file away") from None
+
+
+RUN_MANIFEST_KEYS = ("kvprobe_run", "config", "model")  # what `kvprobe run` writes and the report reads
+
 
 
 class CaseStore:
     """Per-case parts of one table, so an interrupted run resumes without redoing finished cases.
 
-    Each finished case is one parquet file ``<folder>/parts/<table>/<case_id>.parquet``, written
-    atomically; :meth:`collect` concatenates them into ``<folder>/<table>.parquet``.
+    Each finished case is one parquet file ``<folder>/parts/<table>/<part_name(case_id)>.parquet``,
+    written atomically; :meth:`collect` concatenates them into ``<folder>/<table>.parquet``.
     """
 
     def __init__(self, folder: Path | str, table: str):
@@ -84,7 +197,7 @@ class CaseStore:
         self.parts = self.folder / "parts" / table
 
     def _path(self, case_id: str) -> Path:
-        return self.parts / f"{case_id}.parquet"
+        return self.parts / f"{part_name(case_id)}.parquet"
 
     def done(self, case_id: str) -> bool:
         return self._path(case_id).exists()

@@ -134,7 +134,6 @@ vllm:prefix_cache_hits_total{engine="1",model_name="smollm2-135m"} 0.0
 vllm:prefix_cache_hits_created{engine="0",model_name="smollm2-135m"} 1.7e9
 vllm:cache_config_info{block_size="32",cache_dtype="auto",enable_prefix_caching="True",engine="0"} 1.0
 vllm:num_requests_running{engine="0",model_name="a \\"quoted\\" name"} 2.0
-not a sample line
 """
 
 
@@ -150,6 +149,8 @@ def test_parse_vllm_metrics():
     assert measure.metrics_delta(samples, measure.parse_prometheus("")) == (None, None)
     with pytest.raises(KvprobeError, match="restarted"):
         measure.metrics_delta(later, samples)
+    with pytest.raises(KvprobeError, match="not Prometheus text"):  # prometheus_client's parser refuses junk
+        measure.parse_prometheus(VLLM_METRICS + "not a sample line\n")
 
 
 # -- hit-rate arithmetic ---------------------------------------------------------------------------

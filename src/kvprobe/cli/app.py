@@ -1,16 +1,28 @@
 """The ``kvprobe`` command line: thin typer wrappers over the Python API.
 
-Every user error is a :class:`~kvprobe.errors.KvprobeError`, printed as one line with a
-non-zero exit; tracebacks are for bugs only.
+Every user error is a :class:`~kvprobe.errors.KvprobeError`, printed as one line with its exit
+code (see :mod:`kvprobe.errors` and docs/cli.md); tracebacks are for bugs only. The command
+modules import torch and transformers inside their commands, so ``kvprobe --help`` is fast.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 
 import typer
-from rich.table import Table
 
+from kvprobe import __version__
+from kvprobe.cli.common import console, err_console
+from kvprobe.cli.datasets import datasets_app
+from kvprobe.cli.edit import edit, strategies
+from kvprobe.cli.models import models_app
+from kvprobe.cli.report import report
+from kvprobe.cli.run import export_topk, run
+from kvprobe.cli.serve import serve_app, serve_bench
+from kvprobe.cli.toy import toy_app
+from kvprobe.cli.validate import validate
 from kvprobe.errors import KvprobeError
 
 try:  # typer >= 0.20 vendors click, and keeps Exit and Abort in typer.exceptions
@@ -19,88 +31,75 @@ try:  # typer >= 0.20 vendors click, and keeps Exit and Abort in typer.exception
 except ImportError:  # pragma: no cover
     from click.exceptions import Abort, ClickException, Exit
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Probe, edit and compose a language model's KV cache.")
-models_app = typer.Typer(help="List, fetch and inspect models.", invoke_without_command=True)
+HELP = ("Probe, edit and compose a language model's KV cache.\n\n"
+        "Exit codes: 0 ok, 1 a gate or check failed, 2 usage (a bad option or --out), 3 bad input data or "
+        "files, 4 environment (a model that cannot be fetched, a missing or dead server), 130 interrupted.")
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 120}
+INTERRUPTED = "interrupted; finished work is saved: rerun the same command to resume"
+
+app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, help=HELP, context_settings=CONTEXT)
 app.add_typer(models_app, name="models")
-
-from kvprobe.cli.common import console, err_console  # noqa: E402
-from kvprobe.cli.datasets import datasets_app  # noqa: E402
-from kvprobe.cli.toy import toy_app  # noqa: E402
-
-from kvprobe.cli.edit import edit  # noqa: E402
-from kvprobe.cli.run import export_topk, run  # noqa: E402
-from kvprobe.cli.validate import validate  # noqa: E402
-from kvprobe.cli.report import report  # noqa: E402
-from kvprobe.cli.serve import serve_app, serve_bench  # noqa: E402
-
 app.add_typer(datasets_app, name="datasets")
 app.add_typer(toy_app, name="toy")
-app.command("edit")(edit)
 app.command("run")(run)
-app.command("export-topk")(export_topk)
+app.command("edit")(edit)
+app.command("strategies")(strategies)
 app.command("validate")(validate)
+app.command("export-topk")(export_topk)
 app.command("report")(report)
 app.add_typer(serve_app, name="serve")
 app.command("serve-bench")(serve_bench)
 
 
-@models_app.callback()
-def models_list(ctx: typer.Context) -> None:
-    """List bundled aliases, tiny and toy models, with family, size and cache state."""
-    if ctx.invoked_subcommand is not None:
-        return
-    from kvprobe.models import BUNDLED, is_cached, tiny_names
-    from kvprobe.models.tiny import TINY_VARIANTS
-
-    table = Table(title="kvprobe models")
-    for col in ("name", "family", "params", "download", "cached", "notes"):
-        table.add_column(col)
-    for b in BUNDLED.values():
-        table.add_row(b.alias, b.family, b.params, f"{b.download_mb} MB", "yes" if is_cached(b.alias) else "no",
-                      b.note or b.description)
-    for name in tiny_names():
-        fam = TINY_VARIANTS[name][0] if name in TINY_VARIANTS else name[5:]
-        table.add_row(name, fam, "~0.1M", "-", "built", "random weights, for exact mechanics tests")
-    for row in _toy_rows():
-        table.add_row(*row)
-    console.print(table)
+def _version(value: bool) -> None:
+    if value:
+        console.print(f"kvprobe {__version__}", highlight=False)
+        raise Exit(0)
 
 
-def _toy_rows() -> list[tuple[str, ...]]:
-    from kvprobe.models.toy_folder import toy_rows
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="print kvprobe's version and exit")) -> None:
+    """Probe, edit and compose a language model's KV cache."""
 
-    return toy_rows()
+
+def _quiet_third_parties() -> None:
+    """No progress bars or advisory warnings from Hugging Face libraries in kvprobe's output: it
+    prints its own progress (as plain lines when the output is not a terminal)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.getLogger("matplotlib").setLevel(logging.ERROR)  # "building the font cache" on a new machine
 
 
-@models_app.command("fetch")
-def models_fetch(alias: str = typer.Argument(..., help="a bundled alias, see `kvprobe models`")) -> None:
-    """Download, verify and dequantise a bundled model once, into the kvprobe cache."""
-    import time
-
-    from kvprobe.cli.common import say
-    from kvprobe.models import fetch
-
-    start = time.perf_counter()
-    with console.status(f"fetching {alias}"):
-        folder = fetch(alias, progress=lambda msg: say(alias, msg))
-    console.print(f"{alias} ready at {folder} ({time.perf_counter() - start:.1f} s)")
+def _error(message: str) -> None:
+    """One line on stderr; the message is printed as it is (no rich markup: ``a:b:c`` stays)."""
+    err_console.print("error: " + " ".join(message.split()), style="bold red" if err_console.is_terminal else None,
+                      highlight=False, soft_wrap=True, markup=False)
 
 
 def main() -> None:
-    """Console entry point: one-line errors, resumable interrupts."""
+    """Console entry point: one-line errors with the documented exit codes, resumable interrupts."""
+    _quiet_third_parties()
+    if not sys.stdout.isatty():  # help into a pipe or a file: wide enough for the option lists
+        import typer.rich_utils
+
+        typer.rich_utils.MAX_WIDTH = typer.rich_utils.MAX_WIDTH or 120
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)
     except KvprobeError as exc:
-        err_console.print(f"[bold red]error:[/bold red] {exc}", highlight=False, soft_wrap=True)
+        _error(str(exc))
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        err_console.print("interrupted; finished work is saved, run the same command again to resume")
-        sys.exit(130)
+    except KeyboardInterrupt:  # outside typer's own handling (which returns 130)
+        code = 130
     except ClickException as exc:  # usage errors, in non-standalone mode
-        err_console.print(f"[bold red]error:[/bold red] {exc.format_message()}", highlight=False, soft_wrap=True)
+        _error(exc.format_message())
         sys.exit(exc.exit_code)
     except Exit as exc:
-        sys.exit(exc.exit_code)
+        code = exc.exit_code
     except Abort:
-        sys.exit(1)
+        code = 130
+    if code == 130:
+        err_console.print(INTERRUPTED, highlight=False, markup=False, soft_wrap=True)
+    sys.exit(code if isinstance(code, int) else 0)

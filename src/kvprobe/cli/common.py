@@ -1,23 +1,87 @@
-"""Shared CLI helpers: consoles, progress bars, model loading with a status line."""
+"""Shared CLI helpers: consoles, progress (a bar on a terminal, plain lines in a log), model
+loading with a status line, and the checks every command that writes a folder makes first.
+
+Nothing here imports torch: ``kvprobe --help`` must stay fast.
+"""
 
 from __future__ import annotations
 
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-console = Console(width=170) if not sys.stdout.isatty() else Console()  # logs: wide enough for the edit table
-err_console = Console(stderr=True)
+from kvprobe.errors import UsageError
 
-
-def progress_bar() -> Progress:
-    """A rich progress bar on stderr (so stdout stays clean for tables)."""
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), console=err_console, transient=True)
-
+# no emoji codes: "selective:abc:causal" must not print as "selective🔤causal"
+console = Console(width=170, emoji=False) if not sys.stdout.isatty() else Console(emoji=False)  # logs: wide tables
+err_console = Console(stderr=True, emoji=False) if sys.stderr.isatty() else Console(stderr=True, width=200, emoji=False)
 
 ALLOW_FAILED_TOY_HELP = "load a toy folder even though its manifest records a failed held-out check"
+
+
+class PlainProgress:
+    """The part of rich's Progress that commands use, printed as plain lines on stderr: one when a
+    task starts, then at most one every ``every`` seconds, and one when it completes. For logs and
+    pipes, where a live bar is not drawn."""
+
+    def __init__(self, every: float = 10.0):
+        self.every = every
+        self.tasks: dict[int, dict] = {}
+
+    def __enter__(self) -> PlainProgress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def add_task(self, description: str, total: float | None = None, **_) -> int:
+        task = len(self.tasks)
+        self.tasks[task] = {"description": description, "total": total, "completed": 0, "start": time.monotonic(),
+                            "said": 0.0, "done_said": False}
+        self._say(task)
+        return task
+
+    def advance(self, task: int, advance: float = 1) -> None:
+        self.update(task, completed=self.tasks[task]["completed"] + advance)
+
+    def update(self, task: int, description: str | None = None, completed: float | None = None,
+               total: float | None = None, **_) -> None:
+        t = self.tasks[task]
+        changed = description is not None and description != t["description"]
+        if description is not None:
+            t["description"] = description
+        if total is not None:
+            t["total"] = total
+        if completed is not None:
+            t["completed"] = completed
+        done = t["total"] is not None and t["completed"] >= t["total"]
+        if changed or (done and not t["done_said"]) or (not done and time.monotonic() - t["said"] >= self.every):
+            self._say(task)
+
+    def _say(self, task: int) -> None:
+        t = self.tasks[task]
+        t["said"] = time.monotonic()
+        elapsed = t["said"] - t["start"]
+        count = f" {t['completed']:g}/{t['total']:g}" if t["total"] is not None else ""
+        left = ""
+        if t["total"] and 0 < t["completed"] < t["total"]:
+            left = f", about {elapsed / t['completed'] * (t['total'] - t['completed']):.0f} s left"
+        t["done_said"] = t["total"] is not None and t["completed"] >= t["total"]
+        err_console.print(f"{t['description']}:{count} ({elapsed:.0f} s{left})", highlight=False, markup=False,
+                          soft_wrap=True)
+
+
+def progress_bar() -> Progress | PlainProgress:
+    """A rich progress bar on stderr (so stdout stays clean for tables) on a terminal; plain lines
+    on stderr otherwise."""
+    if not err_console.is_terminal:
+        return PlainProgress()
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), console=err_console, transient=True)
 
 
 def say(spec: str, msg: str) -> None:
@@ -31,6 +95,36 @@ def load_with_status(spec: str, dtype: str = "float32", device: str = "cpu", att
     """load_model with a live status line, and a plain line for each slow step (fetching, dequantising)."""
     from kvprobe.models import load_model
 
+    if not err_console.is_terminal:  # a log: no live line; the slow steps say themselves
+        return load_model(spec, dtype=dtype, device=device, attn=attn, allow_failed_toy=allow_failed_toy,
+                          progress=lambda msg: say(spec, msg))
     with err_console.status(f"loading {spec}"):
         return load_model(spec, dtype=dtype, device=device, attn=attn, allow_failed_toy=allow_failed_toy,
                           progress=lambda msg: say(spec, msg))
+
+
+def usable_out(out: Path, option: str = "--out") -> Path:
+    """Refuse, before any work, an output folder that is a file or cannot be written."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{option} {out} is a file; give a folder (new or one this command wrote before)")
+    probe = out
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise UsageError(f"{option} {out} cannot be made: {probe} is a file")
+    try:  # the real test (os.access says yes to root, and to read-only mounts such as /sys)
+        Path(tempfile.mkdtemp(dir=probe, prefix=".kvprobe-write-check-")).rmdir()
+    except OSError as exc:
+        raise UsageError(f"{option} {out} cannot be written ({probe}: {exc.strerror or exc}); give a folder you "
+                         f"can write") from None
+    return out
+
+
+def usable_file(out: Path, option: str = "--out") -> Path:
+    """Refuse, before any work, an output file that is a folder or whose folder cannot be written."""
+    if out.is_dir():
+        raise UsageError(f"{option} {out} is a folder; give a file path")
+    usable_out(out.parent if str(out.parent) else Path("."), option)
+    return out

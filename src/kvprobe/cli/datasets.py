@@ -7,13 +7,12 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from kvprobe.cli.common import console, err_console, load_with_status, progress_bar
+from kvprobe.cli import options as opt
+from kvprobe.cli.common import console, err_console, load_with_status, progress_bar, usable_file
+from kvprobe.errors import UsageError
 
 datasets_app = typer.Typer(help="Field-edit datasets: list domains, show and generate cases, check a model.",
                            no_args_is_help=True)
-
-DATASET_HELP = "'default' (generated, --n cases, --seed) or a JSONL file of cases"
-
 
 @datasets_app.command("list")
 def list_domains() -> None:
@@ -30,16 +29,15 @@ def list_domains() -> None:
 
 
 @datasets_app.command("show")
-def show(dataset: str = typer.Option("default", help=DATASET_HELP), index: int = typer.Option(0, min=0),
-         seed: int = 0, model: str | None = typer.Option(None, help="show token spans under this model's tokenizer"),
-         form: str = typer.Option("auto", help="chat, raw or auto")) -> None:
+def show(dataset: opt.Dataset = "default", index: int = typer.Option(0, min=0, help="which case, from 0"),
+         seed: opt.Seed = 0, model: str | None = typer.Option(None, help="show token spans under this model's tokenizer"),
+         form: opt.Form = "auto") -> None:
     """Print one case: its prompt with the old value, the expected answers, and token spans."""
     from kvprobe.datasets import Skip, align, render_prompt, resolve_dataset
-    from kvprobe.errors import KvprobeError
 
     cases = resolve_dataset(dataset, n=index + 1, seed=seed)
     if index >= len(cases):
-        raise KvprobeError(f"index {index} is out of range; the dataset has {len(cases)} cases")
+        raise UsageError(f"index {index} is out of range; the dataset has {len(cases)} cases")
     case = cases[index]
     tokenizer = load_with_status(model).tokenizer if model else None
     console.print(f"[bold]{case.case_id}[/bold]  domain={case.domain} field={case.field} "
@@ -64,21 +62,26 @@ def generate_cmd(out: Path = typer.Option(..., help="JSONL file to write"), n: i
     """Write generated cases as JSONL (one EditCase per line; see the README for the format)."""
     from kvprobe.datasets import generate, save_jsonl
 
+    usable_file(out)
     path = save_jsonl(generate(n, seed=seed, few_shot=few_shot, controls=controls, cot=cot), out)
     console.print(f"wrote {n} cases to {path}")
 
 
 @datasets_app.command("check")
-def check(model: str = typer.Option(..., help="model spec, see `kvprobe models`"),
-          dataset: str = typer.Option("default", help=DATASET_HELP), n: int = typer.Option(40, min=1),
-          seed: int = 0, form: str = typer.Option("auto", help="chat, raw or auto"),
-          few_shot: int = typer.Option(0, min=0, help="demonstrations from other domains (generated data)"),
+def check(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "default", n: opt.N = opt.DEFAULTS["n"],
+          seed: opt.Seed = 0, form: opt.Form = "auto", few_shot: opt.FewShot = 0,
           out: Path | None = typer.Option(None, help="also write the per-case table (parquet)"),
           per_case: bool = typer.Option(True, help="print the per-case table")) -> None:
     """Prefill every case with both values: accuracy, paired flip rate, logit shift, validity."""
     from kvprobe.datasets import resolve_dataset
     from kvprobe.probes.field_following import check_cases, summarize
 
+    from kvprobe.defaults import FORMS
+
+    if form not in FORMS:
+        raise UsageError(f"unknown --form {form!r}; accepted: {', '.join(FORMS)}")
+    if out is not None:
+        usable_file(out)
     kwargs = {"few_shot": few_shot} if dataset in (None, "default") else {}
     cases = resolve_dataset(dataset, n=n, seed=seed, **kwargs)
     lm = load_with_status(model)

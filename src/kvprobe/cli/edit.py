@@ -1,68 +1,95 @@
-"""``kvprobe edit``: every edit strategy against the oracle, as a tidy table and a summary."""
+"""``kvprobe edit``: every edit strategy against the oracle, as a tidy table and a summary; and
+``kvprobe strategies``, the strategy grammar."""
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import typer
 from rich.table import Table
 
-from kvprobe.cli.common import ALLOW_FAILED_TOY_HELP, console, load_with_status, progress_bar
-from kvprobe.editor.strategies import spec_grammar
+from kvprobe.cli import options as opt
+from kvprobe.cli.common import console, load_with_status, progress_bar, usable_out
+from kvprobe.errors import CheckFailed, UsageError
 
 
-def edit(model: str = typer.Option(..., help="model spec, see `kvprobe models`"),
-         dataset: str = typer.Option("default", help="'default' (generated) or a JSONL file of cases"),
-         strategies: str = typer.Option(",".join(__import__("kvprobe.editor.runner").editor.runner.DEFAULT_STRATEGIES),
-                                        help=f"comma-separated strategy specs: {spec_grammar()}"),
-         n: int = typer.Option(40, min=1, help="cases"), seed: int = 0,
-         cot: str = typer.Option("0", help="comma-separated CoT token budgets (0 = no chain-of-thought)"),
-         form: str = typer.Option("auto", help="chat, raw or auto"),
-         few_shot: int = typer.Option(0, min=0),
-         min_flip: float = typer.Option(1.0, help="cases whose oracle flip is smaller get no recovery ratio"),
+def edit(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "default",
+         strategies: opt.Strategies = opt.DEFAULTS["strategies"], n: opt.N = opt.DEFAULTS["n"], seed: opt.Seed = 0,
+         cot: opt.Cot = "0", form: opt.Form = "auto", few_shot: opt.FewShot = 0,
+         min_flip: opt.MinFlip = opt.DEFAULTS["min_flip"],
          all_cases: bool = typer.Option(False, "--all-cases", help="summarise invalid cases too"),
-         allow_failed_toy: bool = typer.Option(False, "--allow-failed-toy", help=ALLOW_FAILED_TOY_HELP),
-         out: Path = typer.Option(Path("results/edit"), help="results folder (resumable)")) -> None:
-    """Run edit strategies on a model and dataset; writes edits.parquet and prints the summary."""
-    from kvprobe.datasets import resolve_dataset
-    from kvprobe.editor.runner import run_edits
-    from kvprobe.errors import KvprobeError
-    from kvprobe.editor.strategies import parse_strategy
-    from kvprobe.results import EDITS, CaseStore, atomic_write_json
+         allow_failed_toy: opt.AllowFailedToy = False,
+         out: opt.Out = None) -> None:
+    """Run edit strategies on a model and dataset; writes edits.parquet and prints the summary.
 
-    specs = [s for s in strategies.split(",") if s.strip()]
-    for s in specs:
-        parse_strategy(s)  # fail fast, before loading a model
+    Exits 1 when no decision case is valid (the model answers none correctly under both values).
+    """
+    from pydantic import ValidationError
+
+    from kvprobe.editor.runner import align_all, run_edits
+    from kvprobe.pipeline import RunConfig, check_cases, load_cases
+    from kvprobe.results import (EDIT_CLAIM, EDITS, CaseStore, atomic_write_json, check_case_ids, check_claim,
+                                 claim_folder)
+
     try:
-        cots = sorted({int(c) for c in cot.split(",")})
-    except ValueError:
-        raise KvprobeError(f"bad --cot {cot!r}; give comma-separated token budgets such as 0,64") from None
-    cases = resolve_dataset(dataset, n=n, seed=seed, **({"few_shot": few_shot} if dataset == "default" else {}))
+        cfg = RunConfig(model=model, dataset=dataset, strategies=[s.strip() for s in strategies.split(",")
+                                                                  if s.strip()],
+                        n=n, seed=seed, cot=opt.parse_ints(cot, "--cot"), form=form, few_shot=few_shot,
+                        min_flip=min_flip, probes=[])
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise UsageError(f"bad edit option --{str(err['loc'][0]).replace('_', '-')}: {err['msg']}") from None
+    out = usable_out(out or opt.default_out("edit", model))
+    settings = {"command": "edit", "model": model, "dataset": dataset, "n": cfg.n, "seed": seed,
+                "strategies": cfg.strategies, "cot": cfg.cot, "form": form, "few_shot": few_shot, "min_flip": min_flip}
+    held = "kvprobe edit with other settings"
+    check_claim(out, EDIT_CLAIM, settings, held=held)  # fail before loading; claimed once every input is valid
+    cases = load_cases(cfg)
+    check_case_ids(c.case_id for c in cases)
     lm = load_with_status(model, allow_failed_toy=allow_failed_toy)
+    aligned, _ = align_all(lm, cases, cfg.form)
+    check_cases(lm, aligned, cfg.edit_strategies(), cfg.cot, cfg.form)
+    claim_folder(out, EDIT_CLAIM, settings, held=held)
     store = CaseStore(out, "edits")
     with progress_bar() as bar:
-        task = bar.add_task(f"editing {len(cases)} cases x {len(cots)} CoT settings", total=len(cases) * len(cots))
-        df, skipped = run_edits(lm, cases, specs, cots, form, min_flip, model_name=model, store=store,
+        task = bar.add_task(f"editing {len(cases)} cases x {len(cfg.cot)} CoT settings",
+                            total=len(cases) * len(cfg.cot))
+        df, skipped = run_edits(lm, cases, cfg.strategies, cfg.cot, form, min_flip, model_name=model, store=store,
                                 on_case=lambda: bar.advance(task))
     path = store.collect()
-    atomic_write_json({"command": "edit", "model": lm.fingerprint(), "dataset": dataset, "n": n, "seed": seed,
-                       "strategies": specs, "cot": cots, "form": form, "min_flip": min_flip,
+    atomic_write_json({**settings, "model": lm.fingerprint(),
                        "skipped": [{"case_id": s.case_id, "reason": s.reason} for s in skipped]},
                       out / "edit_manifest.json")
-    print_summary(df, all_cases, model, min_flip)
+    n_valid = print_summary(df, all_cases, model, min_flip)
     console.print(f"wrote {path} ({EDITS})")
+    if n_valid == 0:
+        raise CheckFailed(f"{model} answered no decision case of {dataset} correctly under both values, so no edit "
+                          f"can be judged; the table in {path} holds the raw rows")
 
 
-def print_summary(df, all_cases: bool, title: str, min_flip: float) -> None:
+def strategies() -> None:
+    """Every registered edit strategy's spec grammar, and the default set."""
+    from kvprobe.defaults import DEFAULT_STRATEGIES
+    from kvprobe.editor.strategies import STRATEGIES
+
+    table = Table(title="edit strategies (give them as comma-separated specs to --strategies)")
+    for col in ("spec", "what it does"):
+        table.add_column(col)
+    for cls in STRATEGIES.values():
+        table.add_row(cls.grammar(), " ".join((cls.__doc__ or "").split()))
+    console.print(table)
+    console.print(f"default: {','.join(DEFAULT_STRATEGIES)}", highlight=False, markup=False)
+
+
+def print_summary(df, all_cases: bool, title: str, min_flip: float) -> int:
     """Agreement, recovery and cost per strategy and CoT budget, over the valid decision cases
     (every case with ``all_cases``); ``min_flip`` is the run's recovery threshold, for the note
-    when no case reaches it."""
+    when no case reaches it. Returns the number of valid decision cases."""
     from kvprobe.metrics import stay_valid, summarize_edits, valid_case_ids
 
     if df.empty:
         console.print("[yellow]no aligned cases[/yellow]")
-        return
+        return 0
     dec = df[~df.control]
     valid_ids = valid_case_ids(dec)
     sel = df if all_cases else dec[dec.case_id.isin(valid_ids)]
@@ -71,7 +98,7 @@ def print_summary(df, all_cases: bool, title: str, min_flip: float) -> None:
                   f"summary over {'all' if all_cases else 'valid decision'} cases")
     if sel.empty:
         console.print("[yellow]no valid decision cases to summarise[/yellow]")
-        return
+        return len(valid_ids)
     summ = summarize_edits(sel[sel.error.isna()])
     table = Table(title=f"edit strategies: {title}")
     for col in ("strategy", "CoT", "n", "agreement [95% CI]", "recovery [95% CI] (n)", "|oracle flip|",
@@ -90,3 +117,4 @@ def print_summary(df, all_cases: bool, title: str, min_flip: float) -> None:
     for v in stay_valid(sel[~sel.control]):
         console.print(f"with cot={v['cot']}: {v['valid']} of {v['n']} cases stay valid (stale still old, oracle new "
                       f"after reasoning); agreement is with the oracle at that budget")
+    return len(valid_ids)

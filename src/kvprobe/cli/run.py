@@ -6,54 +6,64 @@ from pathlib import Path
 
 import typer
 
-from kvprobe.cli.common import ALLOW_FAILED_TOY_HELP, console, load_with_status, progress_bar
-from kvprobe.editor.strategies import spec_grammar
+try:  # typer >= 0.20 vendors click: its own ParameterSource
+    from typer._click.core import ParameterSource
+except ImportError:  # pragma: no cover
+    from click.core import ParameterSource
+
+from kvprobe.cli import options as opt
+from kvprobe.cli.common import console, load_with_status, progress_bar, usable_out
+from kvprobe.errors import UsageError
 
 
-def _csv(value: str | None, cast=str) -> list | None:
-    return None if value is None else [cast(v.strip()) for v in value.split(",") if v.strip()]
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
 
 
-def run(model: str | None = typer.Option(None, help="model spec (default: the bundled default model)"),
-        dataset: str | None = typer.Option(None, help="'default' (generated) or a JSONL file of cases"),
-        probes: str | None = typer.Option(None, help="comma-separated: locality,attention,knockout,linear"),
-        strategies: str | None = typer.Option(None, help=f"comma-separated edit strategy specs: {spec_grammar()}"),
-        n: int | None = typer.Option(None, min=1, help="cases"), seed: int | None = None,
-        cot: str | None = typer.Option(None, help="comma-separated CoT token budgets, e.g. 0,64"),
-        valid_only: bool | None = typer.Option(None, "--valid-only/--all-cases",
-                                               help="probe only cases the model gets right under both values"),
-        max_controls: int | None = typer.Option(None, min=0, help="valid negative controls carried into the "
-                                                                  "edits, a seeded sample (default: all)"),
-        min_flip: float | None = typer.Option(None, min=0.0, help="recovery ratios and the causal ranking rule use "
-                                                                 "only cases whose oracle flip is at least this "
-                                                                 "many logits (default 1.0)"),
-        compose: int | None = typer.Option(None, min=0, help="also run the composition gate (kvprobe validate) "
-                                                            "on this many queries; 0 = skip"),
-        config: Path | None = typer.Option(None, help="a YAML RunConfig; flags override it"),
-        out: Path | None = typer.Option(None, help="results folder (default results/<model>)"),
+def run(ctx: typer.Context,
+        model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "default", n: opt.N = opt.DEFAULTS["n"],
+        seed: opt.Seed = 0, form: opt.Form = "auto", few_shot: opt.FewShot = 0,
+        probes: str = typer.Option(opt.PROBES.replace(" ", ""), help="comma-separated probes to run"),
+        strategies: opt.Strategies = opt.DEFAULTS["strategies"], cot: opt.Cot = "0",
+        min_flip: opt.MinFlip = opt.DEFAULTS["min_flip"],
+        valid_only: bool = typer.Option(True, "--valid-only/--all-cases",
+                                        help="probe only cases the model gets right under both values"),
+        max_controls: int | None = typer.Option(None, min=0, show_default="all", help="valid negative controls "
+                                                "carried into the edits, a seeded sample"),
+        compose: int = typer.Option(0, min=0, help="also run the composition gate (kvprobe validate) on this many "
+                                                   "queries; 0 = skip"),
+        config: Path | None = typer.Option(None, help="a YAML RunConfig; options given on the command line "
+                                                      "override it"),
+        out: Path | None = opt.out_option("default results/<model>"),
         report: bool = typer.Option(True, help="write report.html at the end"),
-        allow_failed_toy: bool = typer.Option(False, "--allow-failed-toy", help=ALLOW_FAILED_TOY_HELP)) -> None:
+        allow_failed_toy: opt.AllowFailedToy = False) -> None:
     """Validity, the four probes, every edit strategy and the top-K export, into one results folder.
 
-    An interrupted run resumes from where it stopped when run again with the same --out.
+    Every input is checked before any model work. An interrupted run resumes from where it stopped
+    when run again with the same --out. Exits 1 when no decision case is valid.
     """
     from pydantic import ValidationError
 
-    from kvprobe.errors import KvprobeError
-    from kvprobe.pipeline import RunConfig, run as run_pipeline
+    from kvprobe.pipeline import RUN_CLAIM, RunConfig, load_cases, settled
+    from kvprobe.pipeline import run as run_pipeline
+    from kvprobe.results import check_case_ids, check_claim
 
-    overrides = {k: v for k, v in {
-        "model": model, "dataset": dataset, "probes": _csv(probes), "strategies": _csv(strategies), "n": n,
-        "seed": seed, "cot": _csv(cot, int) if cot else None, "valid_only": valid_only,
-        "max_controls": max_controls, "min_flip": min_flip, "compose": compose}.items() if v is not None}
+    given = {name for name in ("model", "dataset", "n", "seed", "form", "few_shot", "probes", "strategies", "cot",
+                               "min_flip", "valid_only", "max_controls", "compose")
+             if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)}
+    values = {"model": model, "dataset": dataset, "n": n, "seed": seed, "form": form, "few_shot": few_shot,
+              "probes": _csv(probes), "strategies": _csv(strategies), "cot": opt.parse_ints(cot, "--cot"),
+              "min_flip": min_flip, "valid_only": valid_only, "max_controls": max_controls, "compose": compose}
+    overrides = {k: v for k, v in values.items() if k in given}  # the rest: the config file's, or RunConfig's
     try:
         cfg = RunConfig.from_yaml(config, **overrides) if config else RunConfig(**overrides)
     except ValidationError as exc:
         err = exc.errors()[0]
-        raise KvprobeError(f"bad run option {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
-    except ValueError as exc:
-        raise KvprobeError(f"bad run option: {exc}") from None
-    out = out or Path("results") / cfg.model.replace("/", "_")
+        raise UsageError(f"bad run option --{str(err['loc'][0]).replace('_', '-')}: {err['msg']}") from None
+    out = usable_out(out or Path("results") / opt.default_out("run", cfg.model).name)
+    check_claim(out, RUN_CLAIM, cfg.model_dump(), settle=settled)  # fail before loading; claimed once all is valid
+    cases = load_cases(cfg)
+    check_case_ids(c.case_id for c in cases)
     lm = load_with_status(cfg.model, cfg.dtype, cfg.device, allow_failed_toy=allow_failed_toy)
     with progress_bar() as bar:
         tasks = {}
@@ -62,7 +72,7 @@ def run(model: str | None = typer.Option(None, help="model spec (default: the bu
             tasks[stage] = bar.add_task(stage, total=total)
             return lambda: bar.advance(tasks[stage])
 
-        manifest = run_pipeline(cfg, out, progress=progress, lm=lm)
+        manifest = run_pipeline(cfg, out, progress=progress, lm=lm, cases=cases)
     c = manifest["counts"]
     console.print(f"{cfg.model}: {c['valid_decision']} valid decision cases of {c['aligned']} aligned "
                   f"({c['skipped']} skipped, {c['invalid']} invalid; {c['probed_decision']} probed); results in {out} "
@@ -95,15 +105,19 @@ def _print_headline(out: Path, cfg) -> None:
             console.print(f"K* = {k['k_star']} (agreement {k['agreement']:.2f}, 95% CI {k['agreement_ci95']}, "
                           f"n={k['n_cases']}); {topk}")
         else:
-            console.print(f"K*: none. {k.get('reason')}; {topk}")
+            console.print(f"K*: none. {k.get('reason')}; {topk}", markup=False)
 
 
 def export_topk(results_dir: Path = typer.Argument(..., help="a kvprobe run results folder"),
-                out: Path | None = typer.Option(None, help="YAML path (default RESULTS_DIR/topk.yaml)"),
-                threshold: float = typer.Option(0.95, help="agreement with the oracle that K* must reach")) -> None:
+                out: Path | None = typer.Option(None, show_default="RESULTS_DIR/topk.yaml", help="YAML path"),
+                threshold: float = typer.Option(0.95, min=0.0, max=1.0,
+                                                help="agreement with the oracle that K* must reach, in [0, 1]")) -> None:
     """Write the per-model top-K YAML (K*, ranking rule, token kinds, fingerprint) for serving."""
+    from kvprobe.cli.common import usable_file
     from kvprobe.editor.topk import export_topk as export
 
+    if out is not None:
+        usable_file(out)
     path = export(results_dir, out, threshold)
     console.print(f"wrote {path}")
     console.print(path.read_text(), markup=False, highlight=False)

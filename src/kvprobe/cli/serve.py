@@ -8,8 +8,8 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from kvprobe.cli.common import console, err_console, progress_bar
-from kvprobe.errors import KvprobeError
+from kvprobe.cli.common import console, err_console, progress_bar, usable_out
+from kvprobe.errors import EnvironmentProblem, UsageError
 
 serve_app = typer.Typer(help="A vLLM server (CPU build, in its own environment) for the serving benchmark.",
                         no_args_is_help=True)
@@ -131,6 +131,7 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
 
     from kvprobe.serving import bench, server
     from kvprobe.serving.client import ServerGone, normalize_url, served_models
+    from kvprobe.results import SERVING_MANIFEST, refuse_foreign
     from kvprobe.serving.measure import parse_rates
 
     try:
@@ -139,10 +140,11 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
                                 seed=seed, domain=domain, erratum_template=erratum_template)
     except ValidationError as exc:
         err = exc.errors()[0]
-        raise KvprobeError(f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        raise UsageError(f"bad serve-bench option --{str(err['loc'][0]).replace('_', '-')}: {err['msg']}") from None
     bench.resolve_template(cfg.erratum_template)  # a bad template fails before any server starts
     bench.check_model(model)  # so does an unknown model
-    out = out or Path("results") / f"serving-{Path(model).name}"
+    out = usable_out(out or Path("results") / f"serving-{Path(model).name}")
+    refuse_foreign(out, SERVING_MANIFEST)  # before a server starts: another command's folder is refused
     own = None
     if url is not None:
         url = normalize_url(url)
@@ -150,8 +152,8 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
     else:
         running = server.read_state()
         if running is not None and running.model != model:
-            raise KvprobeError(f"kvprobe's running server serves {running.model}, not {model}; "
-                               f"run `kvprobe serve stop` first, or pass --url")
+            raise EnvironmentProblem(f"kvprobe's running server serves {running.model}, not {model}; "
+                                     f"run `kvprobe serve stop` first, or pass --url")
         if running is not None:
             url = running.url
         else:

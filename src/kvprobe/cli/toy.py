@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from kvprobe.cli.common import ALLOW_FAILED_TOY_HELP, console, err_console, load_with_status, progress_bar, say
+from kvprobe.errors import UsageError
 
 toy_app = typer.Typer(help="Toy field-edit models: a small model of each family that decides by the field, "
                            "shipped with kvprobe and reproducible from its recipe in minutes.", no_args_is_help=True)
@@ -105,12 +106,11 @@ def evaluate(family: str = typer.Option(None, help=FAMILY_HELP + " (the shipped 
              seed: int = typer.Option(None, help="held-out seed (default: the toy evaluation seed)"),
              allow_failed_toy: bool = typer.Option(False, "--allow-failed-toy", help=ALLOW_FAILED_TOY_HELP)) -> None:
     """Evaluate a toy (the shipped toy-<family>, or --folder) on fresh held-out cases."""
-    from kvprobe.errors import KvprobeError
     from kvprobe.models.toy_folder import toy_family
     from kvprobe.toys.evaluate import EVAL_SEED, evaluate_toy
 
     if (family is None) == (folder is None):
-        raise KvprobeError("give exactly one of --family (the shipped toy) and --folder (a retrained toy)")
+        raise UsageError("give exactly one of --family (the shipped toy) and --folder (a retrained toy)")
     spec = f"toy-{toy_family(family)}" if family else str(folder)
     lm = load_with_status(spec, allow_failed_toy=allow_failed_toy)
     seed = EVAL_SEED if seed is None else seed

@@ -8,58 +8,59 @@ gated seam (with re-rotation) falls below the threshold (a one-line :class:`Gate
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 from rich.table import Table
 
-from kvprobe.cli.common import ALLOW_FAILED_TOY_HELP, console, load_with_status, progress_bar
-from kvprobe.errors import KvprobeError
+from kvprobe.cli import options as opt
+from kvprobe.cli.common import console, load_with_status, progress_bar, usable_out
+from kvprobe.errors import CheckFailed, UsageError
 
 
-class GateFailed(KvprobeError):
+class GateFailed(CheckFailed):
     """Agreement at the gated seam fell below the threshold (exit status 1)."""
 
-    exit_code = 1
 
-
-def _ints(value: str, what: str, count: int | None = None) -> list[int]:
-    try:
-        out = [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        out = []
-    if not out or (count is not None and len(out) != count):
-        raise KvprobeError(f"bad {what} {value!r}; give {count or 'some'} comma-separated integers")
-    return out
-
-
-def validate(model: str = typer.Option(..., help="model spec, see `kvprobe models`"),
-             n: int = typer.Option(50, min=1, help="decision queries"), seed: int = 0,
-             seams: str = typer.Option("0,1,2,4,8,16,32", help="comma-separated seam-repair widths s"),
+def validate(model: opt.Model = opt.DEFAULTS["model"], n: int = typer.Option(50, min=1, help="decision queries"),
+             seed: opt.Seed = 0,
+             seams: str = typer.Option("0,1,2,4,8,16,32", help="comma-separated seam-repair widths s, each >= 0"),
              seam: int = typer.Option(4, min=0, help="the gated seam width"),
              threshold: float = typer.Option(0.9, min=0.0, max=1.0,
                                              help="minimum agreement with full recompute at --seam"),
              block_tokens: str = typer.Option("200,400", help="min,max tokens per skill block"),
              blocks: str = typer.Option("1,4", help="min,max blocks per context"),
-             form: str = typer.Option("auto", help="chat, raw or auto"),
+             form: opt.Form = "auto",
              attn: str = typer.Option("eager", help="attention implementation: eager or sdpa"),
              store: bool = typer.Option(True, help="save every block to <out>/blocks and compose from the files"),
-             allow_failed_toy: bool = typer.Option(False, "--allow-failed-toy", help=ALLOW_FAILED_TOY_HELP),
-             out: Path = typer.Option(Path("results/validate"), help="results folder")) -> None:
-    """Composed caches against full recompute: agreement, cosine and KL for every seam width."""
+             allow_failed_toy: opt.AllowFailedToy = False,
+             out: opt.Out = None) -> None:
+    """Composed caches against full recompute: agreement, cosine and KL for every seam width.
+
+    Exits 1 when agreement at --seam (re-rotated) is below --threshold.
+    """
     import time
 
+    from kvprobe.composer.blocks import check_composable
     from kvprobe.composer.gate import run_compose, summarize_compose
-    from kvprobe.results import COMPOSE, CaseStore, atomic_write_json, atomic_write_parquet, claim_folder
+    from kvprobe.datasets.skills import check_options
+    from kvprobe.defaults import FORMS
+    from kvprobe.results import (COMPOSE, VALIDATE_CLAIM, CaseStore, atomic_write_json, atomic_write_parquet,
+                                 check_claim, claim_folder)
 
-    seam_list = sorted(set(_ints(seams, "--seams")) | {seam})
-    bt, nb = _ints(block_tokens, "--block-tokens", 2), _ints(blocks, "--blocks", 2)
+    seam_list = sorted(set(opt.parse_ints(seams, "--seams")) | {seam})
+    bt, nb = opt.parse_ints(block_tokens, "--block-tokens", count=2), opt.parse_ints(blocks, "--blocks", count=2)
+    check_options(n, tuple(bt), tuple(nb))
+    if form not in FORMS:
+        raise UsageError(f"unknown --form {form!r}; accepted: {', '.join(FORMS)}")
+    if attn not in ("eager", "sdpa"):
+        raise UsageError(f"unknown --attn {attn!r}; accepted: eager, sdpa")
+    out = usable_out(out or opt.default_out("validate", model))
     # what the per-query parts depend on; a rerun into the same --out resumes only if it matches
     config = {"model": model, "n": n, "seed": seed, "seams": seam_list, "block_tokens": bt, "n_blocks": nb,
               "form": form, "attn": attn, "store": store}
-    out.mkdir(parents=True, exist_ok=True)
-    claim_folder(out, "validate_config.json", config, held="validate run with other settings")
+    check_claim(out, VALIDATE_CLAIM, config, held="validate run with other settings")  # before loading
     lm = load_with_status(model, attn=attn, allow_failed_toy=allow_failed_toy)
+    check_composable(lm)
+    claim_folder(out, VALIDATE_CLAIM, config, held="validate run with other settings")
     start = time.perf_counter()
     with progress_bar() as bar:
         pre = bar.add_task("precompiling skills", total=None)
@@ -89,8 +90,6 @@ def validate(model: str = typer.Option(..., help="model spec, see `kvprobe model
     if not agreement >= threshold:
         console.print(f"[bold red]FAIL[/bold red]: agreement {agreement:.3f} at s={seam} (re-rotated) is below "
                       f"the threshold {threshold:g}")
-        # a KvprobeError, not typer.Exit: kvprobe.cli.app.main runs typer in non-standalone mode,
-        # which returns (and so drops) an Exit's code
         raise GateFailed(f"validate {model}: agreement {agreement:.3f} with full recompute at s={seam} "
                          f"is below the threshold {threshold:g}")
     console.print(f"[bold green]PASS[/bold green]: agreement {agreement:.3f} at s={seam} (re-rotated) >= {threshold:g}")

@@ -13,9 +13,10 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from kvprobe.datasets.generate import generate
+from kvprobe.datasets.render import check_text
 from kvprobe.datasets.schema import EditCase
 from kvprobe.errors import KvprobeError
-from kvprobe.results import atomic_write
+from kvprobe.results import atomic_write, check_case_ids
 
 
 def save_jsonl(cases: Iterable[EditCase], path: str | Path) -> Path:
@@ -35,32 +36,51 @@ def _first_error(err: ValidationError) -> str:
 def load_jsonl(path: str | Path) -> list[EditCase]:
     """Read and validate every case in ``path``; blank lines are ignored, duplicate ids refused."""
     path = Path(path)
+    if path.is_dir():
+        raise KvprobeError(f"{path} is a folder; give a JSONL file of cases (one JSON object per line)")
     if not path.is_file():
         raise KvprobeError(f"{path}: no such case file")
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise KvprobeError(f"{path}: cannot read the case file ({exc.strerror or exc})") from None
+    try:
+        lines = raw.decode("utf-8").split("\n")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise KvprobeError(f"{path} line {line}: not UTF-8 text (byte {raw[exc.start]:#04x}); a case file is "
+                           f"UTF-8 JSONL") from None
     cases: list[EditCase] = []
     seen: dict[str, int] = {}
-    with path.open(encoding="utf-8") as fh:
-        for number, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise KvprobeError(f"{path} line {number}: not valid JSON: {err.msg} (column {err.colno})") from None
-            if not isinstance(data, dict):
-                raise KvprobeError(f"{path} line {number}: expected a JSON object, got {type(data).__name__}")
-            try:
-                case = EditCase.model_validate(data)
-            except ValidationError as err:
-                raise KvprobeError(f"{path} line {number}: {_first_error(err)}") from None
-            if case.case_id in seen:
-                raise KvprobeError(
-                    f"{path} line {number}: duplicate case_id {case.case_id!r} (first on line {seen[case.case_id]})"
-                )
-            seen[case.case_id] = number
-            cases.append(case)
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise KvprobeError(f"{path} line {number}: not valid JSON: {err.msg} (column {err.colno})") from None
+        if not isinstance(data, dict):
+            raise KvprobeError(f"{path} line {number}: expected a JSON object, got {type(data).__name__}")
+        try:
+            case = EditCase.model_validate(data)
+        except ValidationError as err:
+            raise KvprobeError(f"{path} line {number}: {_first_error(err)}") from None
+        if case.case_id in seen:
+            raise KvprobeError(
+                f"{path} line {number}: duplicate case_id {case.case_id!r} (first on line {seen[case.case_id]})"
+            )
+        try:
+            check_text(case)
+        except KvprobeError as err:
+            raise KvprobeError(f"{path} line {number}: {err}") from None
+        seen[case.case_id] = number
+        cases.append(case)
     if not cases:
         raise KvprobeError(f"{path}: no cases (the file is empty)")
+    try:
+        check_case_ids(c.case_id for c in cases)
+    except KvprobeError as err:
+        raise KvprobeError(f"{path}: {err}") from None
     return cases
 
 

@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING, Literal
 from jinja2 import TemplateError
 
 from kvprobe.datasets.schema import EditCase
-from kvprobe.errors import KvprobeError
+from kvprobe.defaults import FORMS
+from kvprobe.errors import KvprobeError, UsageError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 Form = Literal["chat", "raw"]
-FORMS = ("chat", "raw", "auto")
 
 POLICY = "## Policy"
 RECORD = "## Record"
@@ -107,6 +107,13 @@ def render_body(case: EditCase, value: str, *, system: bool = True, erratum: str
     return f"{case.system}\n\n{body}" if system and case.system else body
 
 
+def check_text(case: EditCase) -> None:
+    """Refuse, before any tokenizer or model work, a free-form case whose prompt does not hold its
+    old value exactly once (a generated case always does)."""
+    if case.prompt is not None:
+        _free_body(case, case.new_value, False, None)
+
+
 def _free_body(case: EditCase, value: str, system: bool, erratum: str | None) -> str:
     """A user's free-form body with ``value`` in place of its single ``old_value`` occurrence."""
     hits = [m.start() for m in re.finditer(rf"(?<!\w){re.escape(case.old_value)}(?!\w)", case.prompt)]
@@ -123,13 +130,13 @@ def _free_body(case: EditCase, value: str, system: bool, erratum: str | None) ->
 def resolve_form(tokenizer: PreTrainedTokenizerBase | None, form: str) -> Form:
     """``"auto"`` -> ``"chat"`` when the tokenizer has a chat template, else ``"raw"``."""
     if form not in FORMS:
-        raise KvprobeError(f"unknown prompt form {form!r}; use one of {', '.join(FORMS)}")
+        raise UsageError(f"unknown prompt form {form!r}; use one of {', '.join(FORMS)}")
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if form == "auto":
         return "chat" if has_template else "raw"
     if form == "chat" and not has_template:
         name = getattr(tokenizer, "name_or_path", None) or "this tokenizer"
-        raise KvprobeError(f"form 'chat' needs a chat template, and {name} has none; use form 'raw'")
+        raise UsageError(f"form 'chat' needs a chat template, and {name} has none; use form 'raw'")
     return form  # type: ignore[return-value]
 
 

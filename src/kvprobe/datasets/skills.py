@@ -55,7 +55,7 @@ from kvprobe.datasets.render import (
 )
 from kvprobe.datasets.spans import bos_prefix
 from kvprobe.datasets.words import words
-from kvprobe.errors import KvprobeError
+from kvprobe.errors import KvprobeError, UsageError
 
 SKILL_KINDS = ("policy", "tool", "passage")
 SYSTEM = "You are an assistant. Apply the rules to the Record."
@@ -179,20 +179,21 @@ def _question(spec: DomainSpec, kind: str, skill_id: str, seed: int) -> str:
 
 
 # -- the set ---------------------------------------------------------------------------------
-def _check(n: int, block_tokens: tuple[int, int], n_blocks: tuple[int, int], kinds) -> None:
+def check_options(n: int, block_tokens: tuple[int, int], n_blocks: tuple[int, int], kinds=SKILL_KINDS) -> None:
+    """One-line usage errors for a composition set's options, before any work."""
     if n < 0:
-        raise KvprobeError(f"n must be >= 0, got {n}")
+        raise UsageError(f"n must be >= 0, got {n}")
     lo, hi = block_tokens
     if not 16 <= lo <= hi <= MAX_BLOCK_TOKENS:
-        raise KvprobeError(f"block_tokens is a (min, max) length with 16 <= min <= max <= {MAX_BLOCK_TOKENS}, "
-                           f"got {block_tokens}")
+        raise UsageError(f"block_tokens is a (min, max) length with 16 <= min <= max <= {MAX_BLOCK_TOKENS}, "
+                         f"got {block_tokens}")
     if not 1 <= n_blocks[0] <= n_blocks[1] <= 4:
-        raise KvprobeError(f"n_blocks is a (min, max) count with 1 <= min <= max <= 4, got {n_blocks}")
+        raise UsageError(f"n_blocks is a (min, max) count with 1 <= min <= max <= 4, got {n_blocks}")
     bad = [k for k in kinds if k not in SKILL_KINDS]
     if bad or not kinds:
-        raise KvprobeError(f"unknown skill kinds {bad or '(none given)'}; use some of {', '.join(SKILL_KINDS)}")
+        raise UsageError(f"unknown skill kinds {bad or '(none given)'}; use some of {', '.join(SKILL_KINDS)}")
     if list(kinds) == ["passage"] and n_blocks[1] < 2:
-        raise KvprobeError("passage queries need two blocks (a policy and a passage); allow n_blocks up to >= 2")
+        raise UsageError("passage queries need two blocks (a policy and a passage); allow n_blocks up to >= 2")
 
 
 def generate_compose(n: int, seed: int = 0, tokenizer=None, block_tokens: tuple[int, int] = (200, 400),
@@ -203,7 +204,7 @@ def generate_compose(n: int, seed: int = 0, tokenizer=None, block_tokens: tuple[
     so they get at least two. Skill lengths are drawn in ``block_tokens`` per skill.
     """
     block_tokens, n_blocks = tuple(block_tokens), tuple(n_blocks)
-    _check(n, block_tokens, n_blocks, kinds)
+    check_options(n, block_tokens, n_blocks, kinds)
     rng = random.Random(f"compose:{seed}")
     skills: dict[str, Skill] = {}
 

@@ -17,7 +17,8 @@ over cases, tabulated against the oracle), :mod:`.topk` (the per-model top-K exp
 
 from kvprobe.editor.context import EditContext, make_context
 from kvprobe.editor.rankings import RANKINGS, attention_by_position, rank_downstream
-from kvprobe.editor.runner import DEFAULT_STRATEGIES, edit_case, run_edits
+from kvprobe.defaults import DEFAULT_STRATEGIES
+from kvprobe.editor.runner import edit_case, run_edits
 from kvprobe.editor.strategies import (STRATEGIES, CacheBlend, Erratum, FieldErratum, FieldOnly, Hoist, Oracle,
                                        Selective, Stale, Strategy, apply, parse_strategy, register, spec_grammar)
 from kvprobe.kv.decode import COT_CUE, Edited, decide, decide_many

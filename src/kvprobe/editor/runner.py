@@ -19,9 +19,6 @@ from kvprobe.editor.strategies import Strategy, apply, parse_strategy
 from kvprobe.kv.decode import Edited, decide, decide_many
 from kvprobe.metrics import DEFAULT_MIN_FLIP, compare, recovery
 
-DEFAULT_STRATEGIES = ("stale", "field_only", "selective:8:attention", "selective:8:random", "cacheblend:0.15",
-                      "erratum", "field_erratum", "hoist", "oracle")
-
 
 def edit_case(lm, a: AlignedCase, strategies: Sequence[Strategy], cot_tokens: int = 0,
               min_flip: float = DEFAULT_MIN_FLIP, ranking=None, seed: int = 0, model_name: str = "") -> pd.DataFrame:

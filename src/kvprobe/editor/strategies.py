@@ -35,7 +35,7 @@ from kvprobe.datasets import ERRATUM_TEMPLATES, Skip, align, erratum_text, rende
 from kvprobe.datasets.spans import prompt_ids
 from kvprobe.editor.context import EditContext
 from kvprobe.editor.rankings import RANKINGS, rank_downstream
-from kvprobe.errors import KvprobeError
+from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.kv import cache as kvcache
 from kvprobe.kv.decode import Edited
 from kvprobe.kv.hooks import hooks
@@ -53,6 +53,10 @@ class Strategy(ABC):
     name: ClassVar[str]
     k: ClassVar[int | None] = None
     ranking: ClassVar[str | None] = None
+
+    def check(self, lm, a) -> None:
+        """Refuse, before any model work, a case (an AlignedCase) this strategy cannot repair on
+        ``lm`` (a one-line error); the default accepts every case."""
 
     @abstractmethod
     def apply(self, ctx: EditContext) -> Edited:
@@ -127,7 +131,7 @@ def parse_strategy(spec: str, **defaults) -> Strategy:
                 return cls(**given)
             except (TypeError, ValueError):
                 pass
-    raise KvprobeError(f"bad strategy {spec!r}; accepted: {spec_grammar()}")
+    raise UsageError(f"bad strategy {spec!r}; accepted: {spec_grammar()}")
 
 
 def apply(ctx: EditContext, strategy: Strategy | str) -> Edited:
@@ -149,14 +153,19 @@ def _selected(ctx: EditContext, downstream: list[int]) -> Edited:
     return Edited(cache, [ctx.a.ids_new[ctx.D]], len(positions), ctx.D + 1)
 
 
+def _erratum_ids(lm, a, template: str, value_in_prompt: str) -> list[int]:
+    """The token ids of the prompt with the erratum line, its length checked against the window."""
+    text = render_prompt(a.case, lm.tokenizer, value_in_prompt, a.form,
+                         erratum=erratum_text(a.case.field, a.case.new_value, template))
+    ids = prompt_ids(lm.tokenizer, text, a.form)
+    lm.check_length(len(ids), f"case {a.case.case_id} with its erratum")
+    return ids
+
+
 def _with_erratum(ctx: EditContext, template: str, base: DynamicCache, base_ids: list[int], value_in_prompt: str,
                   extra_recomputed: int) -> Edited:
     """Keep the longest prefix of ``base`` the erratum prompt shares, feed the rest."""
-    a = ctx.a
-    text = render_prompt(a.case, ctx.lm.tokenizer, value_in_prompt, a.form,
-                         erratum=erratum_text(a.case.field, a.case.new_value, template))
-    ids = prompt_ids(ctx.lm.tokenizer, text, a.form)
-    ctx.lm.check_length(len(ids))
+    ids = _erratum_ids(ctx.lm, ctx.a, template, value_in_prompt)
     # Tokenizers can merge across the insertion point: reuse only the identical prefix.
     shared = next((i for i, (x, y) in enumerate(zip(ids, base_ids[: ctx.D])) if x != y), min(len(ids), ctx.D))
     cache = kvcache.crop(base, shared)
@@ -194,11 +203,14 @@ class Selective(Strategy):
         if self.k < 0 or self.ranking not in RANKINGS:
             raise ValueError(f"selective needs K >= 0 and a ranking in {RANKINGS}, got {self.k}, {self.ranking!r}")
 
-    def apply(self, ctx: EditContext) -> Edited:
-        lo, hi = ctx.a.downstream
+    def check(self, lm, a) -> None:
+        lo, hi = a.downstream
         if self.k > hi - lo:
-            raise KvprobeError(f"K={self.k} is larger than the downstream span of case {ctx.a.case.case_id} "
-                               f"({hi - lo} positions); use K <= {hi - lo}")
+            raise UsageError(f"{self.spec}: K={self.k} is larger than the downstream span of case "
+                             f"{a.case.case_id} ({hi - lo} positions); use K <= {hi - lo}")
+
+    def apply(self, ctx: EditContext) -> Edited:
+        self.check(ctx.lm, ctx.a)
         return _selected(ctx, rank_downstream(ctx, self.ranking)[: self.k])
 
 
@@ -262,6 +274,9 @@ class Erratum(Strategy):
         """The template itself, with ``{field}`` and ``{value}``."""
         return ERRATUM_TEMPLATES.get(self.template, self.template)
 
+    def check(self, lm, a) -> None:
+        _erratum_ids(lm, a, self.text, a.case.old_value)
+
     def apply(self, ctx: EditContext) -> Edited:
         return _with_erratum(ctx, self.text, ctx.old_cache, ctx.a.ids_old, ctx.a.case.old_value, 0)
 
@@ -270,6 +285,9 @@ class Erratum(Strategy):
 @dataclass(frozen=True)
 class FieldErratum(Erratum):
     """field_only, then the erratum."""
+
+    def check(self, lm, a) -> None:
+        _erratum_ids(lm, a, self.text, a.case.new_value)
 
     def apply(self, ctx: EditContext) -> Edited:
         fixed = _selected(ctx, [])
@@ -282,10 +300,18 @@ class FieldErratum(Erratum):
 class Hoist(Strategy):
     """The deployment keeps the field late in its prompt; an edit recomputes from the field on."""
 
-    def apply(self, ctx: EditContext) -> Edited:
-        hoisted = align(ctx.a.case.model_copy(update={"field_position": "late"}), ctx.lm.tokenizer, ctx.a.form)
+    def check(self, lm, a) -> None:
+        self._hoisted(lm, a)
+
+    @staticmethod
+    def _hoisted(lm, a):
+        hoisted = align(a.case.model_copy(update={"field_position": "late"}), lm.tokenizer, a.form)
         if isinstance(hoisted, Skip):
-            raise KvprobeError(f"hoist: the rewritten prompt of {ctx.a.case.case_id} does not align: {hoisted.reason}")
+            raise KvprobeError(f"hoist: the rewritten prompt of {a.case.case_id} does not align: {hoisted.reason}")
+        return hoisted
+
+    def apply(self, ctx: EditContext) -> Edited:
+        hoisted = self._hoisted(ctx.lm, ctx.a)
         f0, D = hoisted.field[0], hoisted.decision_pos
         start = time.perf_counter()
         # the deployment's cached prefix

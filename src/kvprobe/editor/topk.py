@@ -16,7 +16,7 @@ import yaml
 
 from kvprobe.errors import KvprobeError
 from kvprobe.metrics import mean_ci
-from kvprobe.results import EDITS, MANIFEST, RANKING_RULE, atomic_write
+from kvprobe.results import EDITS, MANIFEST, RANKING_RULE, RUN_MANIFEST_KEYS, atomic_write, json_object, read_table
 
 SCHEMA_VERSION = 1
 TOPK_FILE = "topk.yaml"
@@ -74,22 +74,39 @@ def write_topk(cfg: dict, path: Path | str) -> Path:
     return atomic_write(Path(path), lambda tmp: tmp.write_text(yaml.safe_dump(cfg, sort_keys=False)))
 
 
+EDITS_COLUMNS = ("case_id", "strategy", "ranking", "cot", "k", "agree", "recovery", "frac_recomputed", "valid",
+                 "control")
+
+
 def export_topk(results_dir: Path | str, out: Path | str | None = None, threshold: float = 0.95) -> Path:
-    """Compute the top-K YAML from a results folder (edits + ranking rule + manifest); returns its path."""
-    import json
-
-
+    """Compute the top-K YAML from a results folder (edits + ranking rule + manifest); returns its path.
+    A folder whose files are missing, unreadable or not what ``kvprobe run`` writes is a one-line
+    :class:`KvprobeError` naming the file."""
     results_dir = Path(results_dir)
+    if not results_dir.is_dir():
+        raise KvprobeError(f"results folder not found: {results_dir}")
     if not (results_dir / MANIFEST).exists():
         raise KvprobeError(f"{results_dir} is not a kvprobe results folder (no {MANIFEST}); run `kvprobe run` first")
     for name in (EDITS, RANKING_RULE):
         if not (results_dir / name).exists():
             raise KvprobeError(f"{results_dir} has no {name}: run `kvprobe run` with the editor and locality probe")
-    manifest = json.loads((results_dir / MANIFEST).read_text())
-    rule = json.loads((results_dir / RANKING_RULE).read_text())
-    edits = pd.read_parquet(results_dir / EDITS)
+    manifest = json_object(results_dir / MANIFEST, RUN_MANIFEST_KEYS, "a `kvprobe run` manifest")
+    config = manifest["config"]
+    if not isinstance(config, dict) or "erratum_template" not in config:
+        raise KvprobeError(f"{results_dir / MANIFEST} is not a `kvprobe run` manifest (its config has no "
+                           f"erratum_template); rerun `kvprobe run`")
+    rule = json_object(results_dir / RANKING_RULE, ("held_out_cases", "rule", "kinds_at_top", "max_downstream"),
+                       "a ranking rule as `kvprobe run` writes it")
+    edits = read_table(results_dir / EDITS)
+    missing = [c for c in EDITS_COLUMNS if c not in edits.columns]
+    if missing:
+        raise KvprobeError(f"{results_dir / EDITS} is not an edits table of `kvprobe run` (no column "
+                           f"{', '.join(missing)}); rerun `kvprobe run`")
+    if not isinstance(rule["held_out_cases"], list) or not isinstance(rule["rule"], dict):
+        raise KvprobeError(f"{results_dir / RANKING_RULE} is not a ranking rule as `kvprobe run` writes it "
+                           f"(held_out_cases must be a list, rule an object); rerun `kvprobe run`")
     held_out = set(rule["held_out_cases"])
     edits = edits[edits.case_id.isin(held_out) & edits.valid & ~edits.control]
     cfg = topk_config(edits, manifest["model"], rule["rule"], rule["kinds_at_top"], rule["max_downstream"],
-                      manifest["config"]["erratum_template"], threshold, manifest.get("n_layers"))
+                      config["erratum_template"], threshold, manifest.get("n_layers"))
     return write_topk(cfg, out or results_dir / TOPK_FILE)

@@ -8,19 +8,25 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import socket
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
+from safetensors import SafetensorError
 
-from kvprobe.errors import KvprobeError
+from kvprobe.errors import EnvironmentProblem, KvprobeError, UsageError
 from kvprobe.models import bundled
 from kvprobe.models.adapter import Adapter
 from kvprobe.models.fingerprint import weights_sha256
+from kvprobe.models.quiet import first_line, quiet_hf
 from kvprobe.models.rope import self_check
 from kvprobe.models.tiny import build_tiny, tiny_names
-from kvprobe.models.toy_folder import load_toy, load_toy_folder
+from kvprobe.models.toy_folder import load_toy, load_toy_folder, toy_families
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ROPE_TOL = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}  # self-check tolerance at shift 37
@@ -103,18 +109,133 @@ def _finish(model, tokenizer, spec: str, source: str, dtype: str, device: str, n
     return LoadedModel(model, tokenizer, adapter, info)
 
 
+# What loading a local model file can raise when the file, not kvprobe, is at fault.
+LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, SafetensorError, struct.error)
+
+
 def _from_folder(path: Path | str, gguf_file: str | None = None, model_class: str | None = None,
-                 attn: str = "eager"):
+                 attn: str = "eager", local_files_only: bool = False):
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    tok = AutoTokenizer.from_pretrained(path, **kwargs)
-    cls = getattr(transformers, model_class) if model_class else AutoModelForCausalLM
-    model = cls.from_pretrained(path, dtype=torch.float32, attn_implementation=attn, **kwargs)
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    if local_files_only:
+        kwargs["local_files_only"] = True
+    with quiet_hf():
+        tok = AutoTokenizer.from_pretrained(path, **kwargs)
+        cls = getattr(transformers, model_class) if model_class else AutoModelForCausalLM
+        model = cls.from_pretrained(path, dtype=torch.float32, attn_implementation=attn, **kwargs)
     if gguf_file:  # dequantised already; drop the quantiser so the model behaves as plain fp32
         model.hf_quantizer = None
     return model, tok
+
+
+def check_gguf(path: Path) -> None:
+    """Refuse, in one line, a file that is not a whole GGUF (bad magic, a cut-off header, tensors that
+    run past the end of the file) before transformers reads it."""
+    try:
+        from transformers.integrations.gguf.reader import GgufHeader
+    except ImportError:  # pragma: no cover - another transformers layout: let the loader judge
+        return
+    what = f"{path} is not a readable GGUF file"
+    try:
+        size = path.stat().st_size
+        if size == 0:
+            raise KvprobeError(f"{what} (it is empty)")
+        with open(path, "rb") as fh:
+            if fh.read(4) != b"GGUF":
+                raise KvprobeError(f"{what} (it does not start with the GGUF magic bytes)")
+        header = GgufHeader.from_file(str(path))
+    except KvprobeError:
+        raise
+    except (OSError, ValueError, KeyError, IndexError, OverflowError, MemoryError, struct.error) as exc:
+        cut = isinstance(exc, struct.error) or "buffer" in str(exc)
+        raise KvprobeError(f"{what} ({'truncated or corrupt: ' if cut else ''}{first_line(exc)})") from None
+    end = max((header.data_start + t.offset + t.nbytes for t in header.tensors), default=header.data_start)
+    if end > size:
+        raise KvprobeError(f"{what} (truncated: {size} bytes, but its tensors need {end}); download it again")
+
+
+WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json", "*.pt", "*.pth")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "spiece.model")
+
+
+def check_hf_folder(path: Path) -> None:
+    """Refuse, in one line, a folder that cannot be a Hugging Face causal LM: no or invalid config.json
+    (not JSON, not an object, no or an unknown model_type), no weights, no tokenizer."""
+    from transformers import CONFIG_MAPPING
+
+    config = path / "config.json"
+    if not config.is_file():
+        raise KvprobeError(f"{path} is not a Hugging Face model folder (no config.json)")
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise KvprobeError(f"{config} is not valid JSON ({first_line(exc)}); a model folder's config.json is "
+                           f"a JSON object with a model_type") from None
+    if not isinstance(data, dict):
+        raise KvprobeError(f"{config} holds a JSON {type(data).__name__}, not an object; a model folder's "
+                           f"config.json is a JSON object with a model_type")
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise KvprobeError(f"{config} has no model_type; a model folder's config.json names its architecture, "
+                           f"e.g. \"model_type\": \"llama\"")
+    if model_type not in CONFIG_MAPPING:
+        raise KvprobeError(f"{config} names model_type {model_type!r}, which transformers does not know")
+    if not any(next(path.glob(g), None) for g in WEIGHT_GLOBS):
+        raise KvprobeError(f"{path} has no weights (no model.safetensors, pytorch_model.bin or a shard index)")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise KvprobeError(f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+
+
+def _load_local(path: Path, what: str, hint: str = "", **kwargs):
+    """``_from_folder`` on a local folder, with a file at fault reported in one line: ``what`` does not
+    load (the loader's first line), then ``hint``."""
+    try:
+        return _from_folder(path, **kwargs)
+    except KvprobeError:
+        raise
+    except LOAD_ERRORS as exc:
+        raise KvprobeError(f"{what} does not load ({first_line(exc)}){hint}") from None
+
+
+def _hub_unreachable() -> str | None:
+    """Why the Hugging Face hub cannot be reached from here (None when it can, or behind a proxy,
+    which only a real request can tell): a DNS lookup and a TCP connect, 3 s at most."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    url = urlsplit(constants.ENDPOINT)
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+    except OSError as exc:
+        return f"{host}:{port}: {exc.strerror or first_line(exc)}"
+    return None
+
+
+def _from_hub(spec: str, attn: str):
+    """A hub id: the Hugging Face cache first (no network), then a download when the hub answers."""
+    try:
+        return _from_folder(spec, attn=attn, local_files_only=True)
+    except OSError:
+        pass  # not cached (or only partly): fetch it
+    except LOAD_ERRORS as exc:
+        raise KvprobeError(f"the cached hub model {spec!r} does not load ({first_line(exc)})") from None
+    reason = _hub_unreachable()
+    if reason:
+        raise EnvironmentProblem(f"hub model {spec!r} is not in the Hugging Face cache and the hub cannot be "
+                                 f"reached ({reason}); download it where there is a network, or give a local "
+                                 f"folder, a .gguf file, a bundled alias, tiny-<family> or toy-<family>")
+    try:
+        return _from_folder(spec, attn=attn)
+    except OSError as exc:
+        raise EnvironmentProblem(f"could not load hub model {spec!r}: {first_line(exc)}") from None
+    except LOAD_ERRORS as exc:
+        raise KvprobeError(f"hub model {spec!r} does not load ({first_line(exc)})") from None
 
 
 def load_model(spec: str, dtype: str = "float32", device: str = "cpu", progress=lambda s: None,
@@ -126,45 +247,46 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu", progress=
     A toy folder whose manifest records a held-out failure is refused unless ``allow_failed_toy``.
     """
     if attn not in ("eager", "sdpa"):
-        raise KvprobeError(f"unknown attention implementation {attn!r}; accepted: eager, sdpa")
+        raise UsageError(f"unknown attention implementation {attn!r}; accepted: eager, sdpa")
     if dtype not in DTYPES:
-        raise KvprobeError(f"unknown dtype {dtype!r}; accepted: {', '.join(DTYPES)}")
+        raise UsageError(f"unknown dtype {dtype!r}; accepted: {', '.join(DTYPES)}")
     if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
-        raise KvprobeError(f"device {device!r} is not available here; accepted: cpu" +
-                           (", cuda" if torch.cuda.is_available() else ""))
+        raise UsageError(f"device {device!r} is not available here; accepted: cpu" +
+                         (", cuda" if torch.cuda.is_available() else ""))
     if spec in tiny_names():
         model, tok = build_tiny(spec)
         return _finish(model, tok, spec, "tiny", dtype, device, "random weights: for mechanics only")
-    if spec.startswith("toy-"):
+    # toy-<family> is the shipped toy; another toy-... name that is a folder here is a folder (a toy
+    # trained with `kvprobe toy train --out toy-mine`, given by its relative path)
+    if spec.startswith("toy-") and (spec[4:] in toy_families() or not Path(spec).expanduser().is_dir()):
         model, tok, note = load_toy(spec, allow_failed=allow_failed_toy)
         return _finish(model, tok, spec, "toy", dtype, device, note)
     if spec in bundled.BUNDLED:
         b = bundled.BUNDLED[spec]
         folder = bundled.fetch(spec, progress)
-        model, tok = _from_folder(folder, attn=attn)
+        model, tok = _load_local(folder, f"the cached {spec} at {folder}", f"; delete that folder and run "
+                                 f"`kvprobe models fetch {spec}` again", attn=attn)
         return _finish(model, tok, spec, "bundled", dtype, device, b.note)
     path = Path(spec).expanduser()
     if spec.endswith(".gguf"):
         if not path.is_file():
             raise KvprobeError(f"GGUF file not found: {path}")
-        model, tok = _from_folder(path.parent, gguf_file=path.name, attn=attn)
+        check_gguf(path)
+        model, tok = _load_local(path.parent, f"the GGUF file {path}", "; kvprobe reads GGUF files transformers "
+                                 "can dequantise (llama, qwen2, gemma3, ... with their tokenizer)",
+                                 gguf_file=path.name, attn=attn)
         return _finish(model, tok, spec, "gguf", dtype, device)
     if path.is_dir() and (path / "toy_manifest.json").exists():  # a toy made by `kvprobe toy train`
 
         model, tok, note = load_toy_folder(path, allow_failed=allow_failed_toy)
         return _finish(model, tok, spec, "toy", dtype, device, note)
     if path.is_dir():
-        if not (path / "config.json").exists():
-            raise KvprobeError(f"{path} is not a Hugging Face model folder (no config.json)")
-        model, tok = _from_folder(path, attn=attn)
+        check_hf_folder(path)
+        model, tok = _load_local(path, f"the model folder {path}", attn=attn)
         return _finish(model, tok, spec, "folder", dtype, device)
     looks_like_id = spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
     if not looks_like_id:
-        raise KvprobeError(f"unknown model {spec!r}; accepted: a bundled alias ({', '.join(bundled.BUNDLED)}), "
-                           f"tiny-<family>, toy-<family>, a .gguf path, a local HF folder, or a hub id org/name")
-    try:
-        model, tok = _from_folder(spec, attn=attn)
-    except OSError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise KvprobeError(f"could not load hub model {spec!r} (no network here?): {first}") from None
+        raise UsageError(f"unknown model {spec!r}; accepted: a bundled alias ({', '.join(bundled.BUNDLED)}), "
+                         f"tiny-<family>, toy-<family>, a .gguf path, a local HF folder, or a hub id org/name")
+    model, tok = _from_hub(spec, attn)
     return _finish(model, tok, spec, "hub", dtype, device)

@@ -21,9 +21,10 @@ import torch
 import transformers
 from safetensors import SafetensorError
 
-from kvprobe.errors import KvprobeError
+from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.models.adapter import families
 from kvprobe.models.fingerprint import weights_sha256
+from kvprobe.models.quiet import first_line, quiet_hf
 from kvprobe.models.tiny import tiny_config
 from kvprobe.paths import models_dir
 
@@ -44,7 +45,7 @@ def toy_family(spec: str) -> str:
     fam = spec[4:] if spec.startswith("toy-") else spec
     if fam not in toy_families():
         known = ", ".join(f"toy-{f}" for f in toy_families())
-        raise KvprobeError(f"unknown toy model {spec!r}; known: {known}")
+        raise UsageError(f"unknown toy model {spec!r}; known: {known}")
     return fam
 
 
@@ -93,6 +94,13 @@ def read_manifest(folder: Path) -> dict | None:
     if not isinstance(manifest, dict) or not {"family", "weights_sha256"} <= set(manifest):
         raise KvprobeError(f"{path} is not a toy manifest (it needs family and weights_sha256); "
                            f"retrain the toy with `kvprobe toy train --force`")
+    if manifest["family"] not in toy_families():
+        raise KvprobeError(f"{path} names family {manifest['family']!r}, which has no toy; known: "
+                           f"{', '.join(toy_families())}; retrain the toy with `kvprobe toy train --force`")
+    failures = manifest.get("heldout_failures")
+    if not isinstance(manifest["weights_sha256"], str) or not (failures is None or isinstance(failures, list)):
+        raise KvprobeError(f"{path} is not a toy manifest (weights_sha256 must be a string, heldout_failures a "
+                           f"list); retrain the toy with `kvprobe toy train --force`")
     return manifest
 
 
@@ -122,13 +130,13 @@ def load_toy_folder(folder: Path | str, *, allow_failed: bool = False):
                            f"or pass --allow-failed-toy to use it anyway")
     cls = getattr(transformers, families()[family].causal_lm_class)
     try:
-        model = cls.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
-        # Not AutoTokenizer: for model type qwen2 it swaps in Qwen2Tokenizer, whose own pre-tokenizer
-        # splits words differently from the word-level tokenizer the toy was trained with.
-        tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
-    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise KvprobeError(f"{folder} does not load as a toy model ({first}); "
+        with quiet_hf():
+            model = cls.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+            # Not AutoTokenizer: for model type qwen2 it swaps in Qwen2Tokenizer, whose own pre-tokenizer
+            # splits words differently from the word-level tokenizer the toy was trained with.
+            tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as exc:
+        raise KvprobeError(f"{folder} does not load as a toy model ({first_line(exc)}); "
                            f"retrain it with `kvprobe toy train --family {family} --force`") from None
     if weights_sha256(model) != manifest["weights_sha256"]:
         raise KvprobeError(f"{folder} does not match its {MANIFEST} (weights hash differs); "

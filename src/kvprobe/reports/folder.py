@@ -8,7 +8,6 @@ probe tables, and/or ``compose.parquet`` with ``compose_manifest.json``, optiona
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +18,8 @@ from kvprobe.errors import KvprobeError
 from kvprobe.editor.topk import TOPK_FILE
 from kvprobe.datasets.tokens import TOKENS
 from kvprobe.results import (ATTENTION, COMPOSE, CONCENTRATION, EDITS, KNOCKOUT, LINEAR, LOCALITY, MANIFEST,
-                             RANKING_RULE, SERVING, SERVING_MANIFEST, VALIDITY)
+                             RANKING_RULE, RUN_MANIFEST_KEYS, SERVING, SERVING_MANIFEST, VALIDITY, json_object,
+                             read_table)
 
 # Time to first token, full prefill against a composed cache: one row per (block_tokens, timed repeat),
 # columns block_tokens, full_s, compose_s, speedup (= full_s / compose_s); optional: model, seam.
@@ -62,13 +62,6 @@ class Run:
         return self.label
 
 
-def _json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise KvprobeError(f"{path} is not valid JSON: {exc}") from None
-
-
 def load_run(folder: Path | str, tables: tuple[str, ...] = ()) -> Run:
     """Load every known file of a results folder, and the parquet ``tables`` some report section reads
     besides :data:`TABLES`; refuses a folder with none of them."""
@@ -81,22 +74,31 @@ def load_run(folder: Path | str, tables: tuple[str, ...] = ()) -> Run:
                            f"run `kvprobe run`, `kvprobe validate` or `kvprobe serve-bench` first")
     run = Run(folder=folder, label="")
     if (folder / MANIFEST).exists():
-        run.manifest = _json(folder / MANIFEST)
+        run.manifest = json_object(folder / MANIFEST, RUN_MANIFEST_KEYS, "a `kvprobe run` manifest")
+        for key in ("config", "model"):
+            if not isinstance(run.manifest[key], dict):
+                raise KvprobeError(f"{folder / MANIFEST} is not a `kvprobe run` manifest ({key} is not an object); "
+                                   f"rerun the command that wrote it, or move the file away")
     if (folder / COMPOSE_MANIFEST).exists():
-        run.compose_manifest = _json(folder / COMPOSE_MANIFEST)
+        run.compose_manifest = json_object(folder / COMPOSE_MANIFEST, what="a `kvprobe validate` manifest")
     if (folder / SERVING_MANIFEST).exists():
-        run.serving_manifest = _json(folder / SERVING_MANIFEST)
+        run.serving_manifest = json_object(folder / SERVING_MANIFEST, what="a `kvprobe serve-bench` manifest")
     if (folder / RANKING_RULE).exists():
-        run.ranking_rule = _json(folder / RANKING_RULE)
+        run.ranking_rule = json_object(folder / RANKING_RULE, what="a ranking rule")
     if (folder / TOPK_FILE).exists():
-        run.topk_text = (folder / TOPK_FILE).read_text()
         try:
-            run.topk = yaml.safe_load(run.topk_text) or {}
+            run.topk_text = (folder / TOPK_FILE).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise KvprobeError(f"{folder / TOPK_FILE} cannot be read as text ({getattr(exc, 'strerror', None) or exc})"
+                               ) from None
+        try:
+            topk = yaml.safe_load(run.topk_text)
         except yaml.YAMLError:
-            run.topk = {}
+            topk = None
+        run.topk = topk if isinstance(topk, dict) else {}  # shown verbatim; its figures only when it parses
     for name in dict.fromkeys(TABLES + tables):
         if (folder / name).exists():
-            run.tables[name] = pd.read_parquet(folder / name)
+            run.tables[name] = read_table(folder / name)
     run.label = _label(run)
     return run
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from jinja2 import ChoiceLoader, Environment, FileSystemLoader, PackageLoader, StrictUndefined, select_autoescape
 
 from kvprobe.datasets.tokens import TOKENS
-from kvprobe.errors import KvprobeError
+from kvprobe.errors import UsageError
 from kvprobe.reports.folder import Run, load_runs
 from kvprobe.reports.sections import SECTIONS, in_order
 from kvprobe.reports.sections.shared import fmt
@@ -53,12 +53,19 @@ def render_html(results_dirs) -> str:
     """The report's HTML text for ``results_dirs`` (a pure function of their files)."""
     dirs = [Path(d) for d in results_dirs]
     if not dirs:
-        raise KvprobeError("give at least one results folder")
+        raise UsageError("give at least one results folder")
     runs = load_runs(dirs, tables=tuple(name for sec in SECTIONS.values() for name in sec.tables))
     return _env().get_template(TEMPLATE).render(**build(runs))
 
 
 def render_report(results_dirs: list[Path], out: Path) -> Path:
-    """Write the self-contained HTML report of ``results_dirs`` to ``out`` (atomically); returns ``out``."""
+    """Write the self-contained HTML report of ``results_dirs`` to ``out`` (atomically); returns ``out``.
+    An ``out`` that is a folder, or cannot be written, is a :class:`UsageError` (and nothing is written)."""
+    out = Path(out)
+    if out.is_dir():
+        raise UsageError(f"--out {out} is a folder; give the HTML file to write, e.g. {out / 'report.html'}")
     html = render_html(results_dirs)
-    return atomic_write(Path(out), lambda tmp: tmp.write_text(html, encoding="utf-8"))
+    try:
+        return atomic_write(out, lambda tmp: tmp.write_text(html, encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"cannot write the report to {out} ({exc.strerror or exc}); give a path you can write") from None

@@ -26,8 +26,8 @@ import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvprobe.datasets import ERRATUM_TEMPLATES
-from kvprobe.errors import KvprobeError
-from kvprobe.results import SERVING, SERVING_MANIFEST, CaseStore, atomic_write_json
+from kvprobe.errors import EnvironmentProblem, KvprobeError, UsageError
+from kvprobe.results import SERVING, SERVING_MANIFEST, CaseStore, atomic_write_json, refuse_foreign
 from kvprobe.serving import measure
 from kvprobe.serving.client import (Completion, ServerGone, get_json, scrape_metrics, served_models,
                                     stream_completion)
@@ -91,8 +91,8 @@ def resolve_template(name: str) -> str:
             raise KvprobeError(f"{name} has no erratum_template; export one with `kvprobe export-topk`")
         return check_template(str(cfg["erratum_template"]))
     if "{" not in name:
-        raise KvprobeError(f"unknown erratum template {name!r}; accepted: {', '.join(ERRATUM_TEMPLATES)}, "
-                           f"a top-K YAML file, or a literal template with {{field}} and {{value}}")
+        raise UsageError(f"unknown erratum template {name!r}; accepted: {', '.join(ERRATUM_TEMPLATES)}, "
+                         f"a top-K YAML file, or a literal template with {{field}} and {{value}}")
     return check_template(name)
 
 
@@ -109,8 +109,8 @@ def check_model(model: str) -> None:
     from kvprobe.models import bundled
 
     if model not in bundled.BUNDLED and not (Path(model).expanduser() / "config.json").exists():
-        raise KvprobeError(f"unknown model {model!r}; accepted: a bundled alias ({', '.join(bundled.BUNDLED)}) "
-                           f"or a local Hugging Face folder")
+        raise UsageError(f"unknown model {model!r}; accepted: a bundled alias ({', '.join(bundled.BUNDLED)}) "
+                         f"or a local Hugging Face folder")
 
 
 def load_tokenizer(model: str):
@@ -131,8 +131,8 @@ def pick_served(url: str, model: str) -> str:
         return model if model in names else Path(model).name
     if len(names) == 1:
         return names[0]
-    raise KvprobeError(f"the server at {url} serves {names or 'no model'}, not {model!r}; "
-                       f"start it with --served-model-name {model}")
+    raise EnvironmentProblem(f"the server at {url} serves {names or 'no model'}, not {model!r}; "
+                             f"start it with --served-model-name {model}")
 
 
 def fire(url: str, served: str, prompts: list[list[int]], schedule: list[float], max_s: float, max_tokens: int,
@@ -220,6 +220,7 @@ class Bench:
         import json
 
         path = self.out / SERVING_MANIFEST
+        refuse_foreign(self.out, SERVING_MANIFEST)  # another command's folder, or files nobody claimed
         if not path.exists():
             return
         try:
@@ -228,8 +229,8 @@ class Bench:
             manifest = {}
         self.salt = manifest.get("unique_salt", self.salt)
         if manifest.get("config") != self.cfg.model_dump():
-            raise KvprobeError(f"{self.out} holds a serving run with another configuration; give another --out "
-                               f"or remove {path.name} and parts/{TABLE}/ there")
+            raise UsageError(f"{self.out} holds a serving run with another configuration; give another --out "
+                             f"or remove {path.name} and parts/{TABLE}/ there")
 
     def _replay(self) -> None:
         """Feed finished runs' prompts (and their oracles) into the ceiling and the oracle table."""
@@ -271,8 +272,8 @@ class Bench:
     def run(self) -> Path:
         self._check_resume()
         if self.block_size is None:
-            raise KvprobeError(f"the server at {self.url} does not say its KV block size (no {measure.CACHE_INFO} in "
-                               f"/metrics); kvprobe serve-bench needs a vLLM server")
+            raise EnvironmentProblem(f"the server at {self.url} does not say its KV block size (no {measure.CACHE_INFO} in "
+                                     f"/metrics); kvprobe serve-bench needs a vLLM server")
         atomic_write_json(self.manifest(), self.out / SERVING_MANIFEST)
         self._replay()
         self.progress("warming the static prefix (the base prompt, greedy: also its oracle)")

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import math
 import random
-import re
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 import pandas as pd
 
-from kvprobe.errors import KvprobeError
+from kvprobe.errors import EnvironmentProblem, UsageError
 
 QUERIES = "vllm:prefix_cache_queries"
 HITS = "vllm:prefix_cache_hits"
@@ -34,8 +33,6 @@ CACHE_INFO = "vllm:cache_config_info"
 AGREE_TOL = 0.02  # |metrics - usage| hit rates further apart than this do not agree
 SATURATION = math.inf  # the rate that sends every request at once
 
-_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+\S+)?$")
-_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 # -- load ------------------------------------------------------------------------------------------
@@ -50,11 +47,11 @@ def parse_rates(text: str) -> list[float]:
         except ValueError:
             rate = float("nan")
         if not rate > 0:
-            raise KvprobeError(f"bad rate {part!r} in {text!r}; give positive requests per second, "
-                               f"comma-separated, and 'inf' for saturation (e.g. 0.5,1,2,inf)")
+            raise UsageError(f"bad rate {part!r} in {text!r}; give positive requests per second, "
+                             f"comma-separated, and 'inf' for saturation (e.g. 0.5,1,2,inf)")
         rates.append(rate)
     if not rates:
-        raise KvprobeError(f"no rate in {text!r}; e.g. 0.5,1,2,inf")
+        raise UsageError(f"no rate in {text!r}; e.g. 0.5,1,2,inf")
     return sorted(set(rates))
 
 
@@ -69,7 +66,7 @@ def poisson_schedule(rate: float, n: int, seed: int = 0) -> list[float]:
     (``rate`` = inf) every request goes at 0.
     """
     if n < 0 or not rate > 0:
-        raise KvprobeError(f"a schedule needs n >= 0 and a positive rate, got n={n}, rate={rate}")
+        raise UsageError(f"a schedule needs n >= 0 and a positive rate, got n={n}, rate={rate}")
     if math.isinf(rate):
         return [0.0] * n
     rng = random.Random(f"poisson:{seed}:{rate!r}")
@@ -83,22 +80,16 @@ def poisson_schedule(rate: float, n: int, seed: int = 0) -> list[float]:
 
 # -- Prometheus text -------------------------------------------------------------------------------
 def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """Samples of Prometheus text exposition: (name, labels, value); comments and junk skipped."""
-    out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        try:
-            value = float(m.group(4))
-        except ValueError:
-            continue
-        labels = {k: v.replace('\\"', '"').replace("\\\\", "\\") for k, v in _LABEL.findall(m.group(3) or "")}
-        out.append((m.group(1), labels, value))
-    return out
+    """Samples of Prometheus text exposition, parsed by ``prometheus_client``: (name, labels, value).
+    Text that is not Prometheus exposition is a one-line error (the server is not the vLLM asked for)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        return [(s.name, dict(s.labels), float(s.value))
+                for family in text_string_to_metric_families(text) for s in family.samples]
+    except (ValueError, TypeError, IndexError) as exc:
+        raise EnvironmentProblem(f"the server's /metrics is not Prometheus text ({exc}); is it a vLLM server?") \
+            from None
 
 
 def counter(samples, name: str) -> float | None:
@@ -135,7 +126,7 @@ def metrics_delta(before, after) -> tuple[float | None, float | None]:
             out.append(None)
             continue
         if b < a:
-            raise KvprobeError(f"{name} went down from {a:g} to {b:g}: the server restarted during the run")
+            raise EnvironmentProblem(f"{name} went down from {a:g} to {b:g}: the server restarted during the run")
         out.append(b - a)
     return out[0], out[1]
 
@@ -151,7 +142,7 @@ class BlockCeiling:
 
     def __init__(self, block: int):
         if block < 1:
-            raise KvprobeError(f"block size must be >= 1, got {block}")
+            raise UsageError(f"block size must be >= 1, got {block}")
         self.block = block
         self.seen: set[int] = set()
 

@@ -1,0 +1,76 @@
+"""The options that ``run``, ``edit``, ``validate`` and ``datasets`` share: one definition each, so
+the commands agree on names, defaults, ranges and help. Light: nothing here imports torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvprobe.defaults import DEFAULT_MIN_FLIP, DEFAULT_MODEL, DEFAULT_N, DEFAULT_STRATEGIES, FORMS
+
+# The built-in strategies' grammar (kvprobe.editor.strategies.spec_grammar() on the built-in
+# registry; tests/cli/test_conventions.py checks it is current). A strategy registered by a plugin
+# shows in `kvprobe strategies`.
+STRATEGY_GRAMMAR = ("stale, field_only, selective:K:RANKING (RANKING in causal/random/attention/recency/"
+                    "aggregators), cacheblend:R (0<R<=1), erratum[:paper|short], field_erratum[:paper|short], "
+                    "hoist, oracle")
+PROBES = "locality, attention, knockout, linear"  # the built-in probes, in the order they run
+
+Model = Annotated[str, typer.Option(help="model spec: a bundled alias, tiny-<family>, toy-<family>, a .gguf "
+                                         "path, a local Hugging Face folder or a toy folder; see `kvprobe models`")]
+Dataset = Annotated[str, typer.Option(help="'default' (generated: --n cases from --seed) or a JSONL file of cases")]
+N = Annotated[int, typer.Option(min=1, help="cases (generated data: how many; a JSONL file: at most this many)")]
+Seed = Annotated[int, typer.Option(help="seed of the generated data and of every random choice")]
+Form = Annotated[str, typer.Option(help=f"how a case becomes a prompt: {', '.join(FORMS)} (auto = chat where the "
+                                        f"tokenizer has a template)")]
+FewShot = Annotated[int, typer.Option(min=0, help="demonstrations from other domains before each generated case")]
+Cot = Annotated[str, typer.Option(help="comma-separated chain-of-thought token budgets, each >= 0 (0 = none), "
+                                       "e.g. 0,64")]
+MinFlip = Annotated[float, typer.Option(min=0.0, help="recovery ratios (and the causal ranking rule) use only "
+                                                      "cases whose oracle flip is at least this many logits")]
+Strategies = Annotated[str, typer.Option(show_default=False, help=(
+    f"comma-separated edit strategy specs (default: {', '.join(DEFAULT_STRATEGIES)}); grammar: {STRATEGY_GRAMMAR}; "
+    f"`kvprobe strategies` lists every registered one"))]
+AllowFailedToy = Annotated[bool, typer.Option("--allow-failed-toy", help="load a toy folder even though its "
+                                                                          "manifest records a failed held-out check")]
+
+
+def _out_help(what: str) -> str:
+    return (f"results folder ({what}); a rerun of the same command resumes there, a command with other settings "
+            f"is refused")
+
+
+def out_option(what: str):
+    """The --out option with its default folder named, for a command whose default differs."""
+    return typer.Option(None, show_default=False, help=_out_help(what))
+
+
+Out = Annotated[Path | None, typer.Option(show_default=False, help=_out_help("default results/<command>/<model>"))]
+
+DEFAULTS = {"model": DEFAULT_MODEL, "n": DEFAULT_N, "min_flip": DEFAULT_MIN_FLIP,
+            "strategies": ",".join(DEFAULT_STRATEGIES), "form": "auto", "cot": "0", "few_shot": 0, "seed": 0,
+            "dataset": "default"}
+
+
+def default_out(command: str, model: str) -> Path:
+    """``results/<command>/<model>``; a path or hub id becomes one folder name."""
+    name = Path(model).name if model.endswith(".gguf") or Path(model).expanduser().is_dir() else model
+    return Path("results") / command / name.replace("/", "_")
+
+
+def parse_ints(value: str, option: str, minimum: int | None = 0, count: int | None = None) -> list[int]:
+    """``"0,64"`` -> ``[0, 64]``; a one-line usage error naming the option and what it accepts."""
+    from kvprobe.errors import UsageError
+
+    try:
+        out = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        out = []
+    if (not out or (count is not None and len(out) != count)
+            or (minimum is not None and min(out) < minimum)):
+        need = f"{count} " if count else ""
+        floor = f", each >= {minimum}" if minimum is not None else ""
+        raise UsageError(f"bad {option} {value!r}; give {need}comma-separated integers{floor}")
+    return out

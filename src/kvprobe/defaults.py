@@ -1,0 +1,11 @@
+"""Defaults that the command line shows in its help and the run configuration uses: one home,
+importable without torch (``kvprobe --help`` must not load a model stack)."""
+
+DEFAULT_MODEL = "toy-qwen2"  # the bundled default: ships in the package, decides by the field
+DEFAULT_N = 40
+DEFAULT_MIN_FLIP = 1.0  # logits: a case whose oracle flip is smaller gets no recovery ratio
+FORMS = ("auto", "chat", "raw")  # how a case becomes a prompt (see kvprobe.datasets.render)
+
+# the strategies a run or an edit uses unless told otherwise (specs of kvprobe.editor.strategies)
+DEFAULT_STRATEGIES = ("stale", "field_only", "selective:8:attention", "selective:8:random", "cacheblend:0.15",
+                      "erratum", "field_erratum", "hoist", "oracle")

@@ -1,0 +1,62 @@
+"""Ctrl-C during `kvprobe run`: exit 130, one line saying how to resume, and a resume whose tables
+equal an uninterrupted run's."""
+
+from __future__ import annotations
+
+import importlib.util
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+CLI = [sys.executable, "-c", "from kvprobe.cli.app import main; main()"]
+ARGS = ["run", "--model", "toy-qwen2", "--n", "6", "--probes", "locality", "--strategies", "stale,field_only,oracle",
+        "--no-report"]
+
+
+def _compare():
+    path = Path(__file__).parents[2] / "scripts" / "compare_runs.py"
+    spec = importlib.util.spec_from_file_location("compare_runs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def interrupt_when(out: Path, stage: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Start the run into ``out`` and send SIGINT once ``stage`` has saved its first case part."""
+    proc = subprocess.Popen([*CLI, *ARGS, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    parts = out / "parts" / stage
+    deadline = time.monotonic() + timeout
+    while not (parts.exists() and any(parts.glob("*.parquet"))):
+        assert proc.poll() is None, f"the run ended before {stage} saved a part: {proc.stderr.read()[-2000:]}"
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+@pytest.mark.slow
+def test_sigint_in_locality_and_edits_then_resume_gives_the_same_tables(tmp_path):
+    full = subprocess.run([*CLI, *ARGS, "--out", str(tmp_path / "full")], capture_output=True, text=True, timeout=600)
+    assert full.returncode == 0, full.stderr[-2000:]
+
+    out = tmp_path / "resumed"
+    for stage in ("locality", "edits"):
+        proc = interrupt_when(out, stage)
+        assert proc.returncode == 130, (stage, proc.returncode, proc.stderr[-2000:])
+        last = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1]
+        assert last == "interrupted; finished work is saved: rerun the same command to resume", proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert not (out / "manifest.json").exists()
+        assert not list(out.rglob("*.tmp"))  # no half-written file left behind
+    assert (out / "locality.parquet").exists() and not (out / "edits.parquet").exists()  # the rerun resumes in edits
+    resumed = subprocess.run([*CLI, *ARGS, "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    compare = _compare()
+    lines = compare.compare(tmp_path / "full", out, set(compare.TIMING))
+    assert lines and not [ln for ln in lines if ln.startswith("DIFF")], lines
