@@ -1,0 +1,488 @@
+"""Run bad inputs through the kvprobe command line and write the table docs/bad-inputs.md.
+
+    .venv/bin/python scripts/bad_inputs.py [--doc docs/bad-inputs.md] [--only TEXT] [--keep]
+
+Builds a scratch folder (a temporary directory: its own KVPROBE_HOME and HF_HOME, a small results
+folder made once with ``kvprobe run --model toy-qwen2 --n 6``, broken JSONL, GGUF, model folders,
+configs and results folders, a file where a folder is expected, a folder that cannot be written),
+then runs each bad input as its own ``kvprobe`` process with the scratch folder as its working
+directory. For each it records the exit code, the error line, whether stderr is exactly that one
+line (no traceback), and whether the scratch folder is unchanged: a sha256 over every path, file
+mode and file content, taken before and after. Prints one line per input as it goes; exits 1 when
+any row fails (wrong exit code, not one line, a traceback, a changed disk, or a message without
+the text it must quote), listing those rows.
+
+``--only TEXT`` runs only the inputs whose command holds TEXT (and does not write the doc);
+``--keep`` keeps the scratch folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "bad-inputs.md"
+REGENERATE = ".venv/bin/python scripts/bad_inputs.py"
+TIMEOUT_S = 240
+CLI = [sys.executable, "-c", "from kvprobe.cli.app import main; main()"]
+
+
+@dataclass
+class Bad:
+    """One bad input: the kvprobe arguments (paths relative to the scratch folder), what is wrong,
+    the exit code it must give, text its message must quote literally, and a path it may write
+    (only for a command that legitimately runs before its check fails)."""
+
+    args: list[str]
+    what: str
+    expect: int
+    quote: str | None = None
+    writes: str | None = None
+
+
+@dataclass
+class Row:
+    bad: Bad
+    code: int | str
+    message: str
+    others: list[str]  # the other lines on stderr, when it is not the one error line
+    one_line: bool
+    unchanged: bool
+    seconds: float
+
+    @property
+    def quoted(self) -> bool:
+        return self.bad.quote is None or self.bad.quote in self.message
+
+    @property
+    def ok(self) -> bool:
+        return self.code == self.bad.expect and self.one_line and self.unchanged and self.quoted
+
+    def why(self) -> str:
+        out = []
+        if self.code != self.bad.expect:
+            out.append(f"exit {self.code}, expected {self.bad.expect}")
+        if not self.one_line:
+            out.append("not one error line (or a traceback)")
+        if not self.unchanged:
+            out.append("the disk changed")
+        if not self.quoted:
+            out.append(f"message does not quote {self.bad.quote!r}")
+        return "; ".join(out)
+
+
+# -- the scratch folder ----------------------------------------------------------------------------
+
+def tree_hash(root: Path, skip: str | None = None) -> str:
+    """sha256 over every path under ``root`` (relative), its type and mode, and each file's bytes or
+    link's target; ``skip`` (a relative path) and what lies under it are left out."""
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        base = Path(dirpath)
+        for name in sorted(dirnames + filenames):
+            path = base / name
+            rel = path.relative_to(root).as_posix()
+            if skip and (rel == skip or rel.startswith(skip.rstrip("/") + "/")):
+                continue
+            st = path.lstat()
+            h.update(f"{rel}\0{st.st_mode:o}\0".encode())
+            if stat.S_ISLNK(st.st_mode):
+                h.update(os.readlink(path).encode())
+            elif stat.S_ISREG(st.st_mode):
+                with open(path, "rb") as f:
+                    for block in iter(lambda: f.read(1 << 20), b""):
+                        h.update(block)
+            h.update(b"\0")
+        if skip:
+            dirnames[:] = [d for d in dirnames if (base / d).relative_to(root).as_posix() != skip.rstrip("/")]
+    return h.hexdigest()
+
+
+def env_for(scratch: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVPROBE_", "HF_", "TRANSFORMERS_"))}
+    env.update(KVPROBE_HOME=str(scratch / "home"), HF_HOME=str(scratch / "hf"), PYTHONUNBUFFERED="1",
+               PYTHONDONTWRITEBYTECODE="1", MPLCONFIGDIR=str(scratch / "mpl"))
+    return env
+
+
+def kvprobe(args: list[str], scratch: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], cwd=scratch, env=env_for(scratch), capture_output=True, text=True,
+                          timeout=TIMEOUT_S, check=False)
+
+
+def deterministic_bytes(n: int, seed: str) -> bytes:
+    out, i = b"", 0
+    while len(out) < n:
+        out += hashlib.sha256(f"{seed}{i}".encode()).digest()
+        i += 1
+    return out[:n]
+
+
+def _jsonl(path: Path, cases: list[dict]) -> None:
+    path.write_text("".join(json.dumps(c) + "\n" for c in cases))
+
+
+def _gguf(path: Path) -> bytes:
+    """A small well-formed GGUF (one float tensor, no tokenizer); returns its bytes."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((64, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    data = path.read_bytes()
+    path.unlink()
+    return data
+
+
+def prepare(s: Path, say) -> None:
+    """Every fixture the inputs read, under the scratch folder ``s``."""
+    from kvprobe.datasets import generate
+    from kvprobe.models.toy_folder import shipped_dir
+
+    for d in ("home", "hf", "mpl"):
+        (s / d).mkdir()
+    say("fixture: kvprobe run --model toy-qwen2 --n 6 --out run (about 20 s)")
+    for args in (["run", "--model", "toy-qwen2", "--n", "6", "--out", "run"],
+                 ["edit", "--model", "toy-qwen2", "--n", "2", "--strategies", "stale", "--out", "edit-toy"]):
+        proc = kvprobe(args, s)
+        if proc.returncode != 0:
+            raise SystemExit(f"fixture `kvprobe {' '.join(args)}` failed (exit {proc.returncode}):\n"
+                             f"{proc.stderr[-3000:]}")
+    # results folders with one broken file each (the small files of the run; no parts, no report)
+    for name, broken in (("res-bad-edits", "edits.parquet"), ("res-bad-locality", "locality.parquet")):
+        (s / name).mkdir()
+        for f in (s / "run").iterdir():
+            if f.is_file() and f.name != "report.html":
+                shutil.copy2(f, s / name / f.name)
+        (s / name / broken).write_bytes(deterministic_bytes(300, name))
+    (s / "res-foreign").mkdir()
+    (s / "res-foreign" / "manifest.json").write_text('{"a": 1}\n')
+    (s / "not-results").mkdir()
+    (s / "not-results" / "notes.txt").write_text("not a kvprobe results folder\n")
+    # model files
+    whole = _gguf(s / "tmp.gguf")
+    (s / "header-cut.gguf").write_bytes(whole[:15])
+    (s / "data-cut.gguf").write_bytes(whole[:len(whole) - 1000])
+    (s / "garbage.gguf").write_bytes(deterministic_bytes(4096, "garbage"))
+    toy = shipped_dir("qwen2")
+    for name, config in (("hf-bad-json", "{not json"), ("hf-no-type", '{"hidden_size": 64}'),
+                         ("hf-list", "[1, 2]"), ("hf-no-weights", None)):
+        (s / name).mkdir()
+        if config is None:
+            for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+                shutil.copy2(toy / f, s / name / f)
+        else:
+            (s / name / "config.json").write_text(config)
+    for name in ("toy-trunc", "toy-bad-manifest", "toy-bad-family", "toy-copy"):
+        shutil.copytree(toy, s / name)
+    weights = s / "toy-trunc" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100_000])
+    (s / "toy-bad-manifest" / "toy_manifest.json").write_text("{not json")
+    manifest = json.loads((toy / "toy_manifest.json").read_text())
+    (s / "toy-bad-family" / "toy_manifest.json").write_text(json.dumps({**manifest, "family": "nope"}))
+    cached = s / "home" / "models" / "smollm2-135m"  # a bundled alias whose cached folder is corrupt
+    cached.mkdir(parents=True)
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(toy / f, cached / f)
+    (cached / "model.safetensors").write_bytes(deterministic_bytes(500, "cached"))
+    (cached / "kvprobe_bundled.json").write_text('{"gguf": "smollm2-135m.gguf", "model_class": null}\n')
+    # configs
+    (s / "cfg-list.yaml").write_text("- model\n- n\n")
+    (s / "cfg-scalar.yaml").write_text("toy-qwen2\n")
+    (s / "cfg-unknown.yaml").write_text("model: toy-qwen2\nbogus: 1\n")
+    (s / "cfg-bad-strategy.yaml").write_text("model: toy-qwen2\nn: 2\nstrategies: [stale, telepathy]\n")
+    (s / "cfg-folder").mkdir()
+    # output places that cannot be used
+    (s / "a-file.txt").write_text("a file, where a folder is expected\n")
+    (s / "existing-folder").mkdir()
+    (s / "readonly").mkdir()
+    (s / "readonly").chmod(0o500)
+    # datasets
+    cases = [c.model_dump(mode="json") for c in generate(2, seed=0)]
+    for name, ids in (("ids-collide", ["Refund-1", "refund-1"]), ("ids-duplicate", ["a1", "a1"])):
+        _jsonl(s / f"{name}.jsonl", [{**c, "case_id": i} for c, i in zip(cases, ids)])
+    _jsonl(s / "two.jsonl", cases)
+    (s / "bad-line.jsonl").write_text(json.dumps(cases[0]) + "\n{not json\n")
+    _jsonl(s / "missing-field.jsonl", [{k: v for k, v in cases[0].items() if k != "question"}])
+    free = {"case_id": "u1", "domain": "mine", "field": "status", "old_value": "delivered", "new_value": "pending",
+            "control": False, "prompt": "Refunds only while pending.\nstatus: shipped", "question": "Refund?",
+            "options": ["yes", "no"], "expected_old": "no", "expected_new": "yes"}
+    _jsonl(s / "absent-value.jsonl", [free])
+    _jsonl(s / "long-prompt.jsonl", [{**free, "old_value": "shipped",
+                                      "prompt": "jacket " * 2200 + "\nstatus: shipped"}])
+    (s / "empty.jsonl").write_text("")
+    (s / "array-line.jsonl").write_text("[1, 2, 3]\n")
+    (s / "not-utf8.jsonl").write_bytes(b"\xff\xfe not utf-8\n")
+    (s / "dataset-folder").mkdir()
+
+
+def unwritable_out(s: Path) -> tuple[str, str]:
+    """An --out inside a folder this process cannot write: the chmod 500 folder, or (root ignores
+    modes) a path under /sys, which no one can create."""
+    if os.geteuid() != 0:
+        return "readonly/out", "--out inside a chmod 500 folder"
+    return "/sys/kvprobe-bad-inputs/out", "--out under /sys (running as root, which ignores chmod 500)"
+
+
+def inputs(s: Path) -> list[Bad]:
+    ro, ro_what = unwritable_out(s)
+    tiny = ["--model", "tiny-llama"]
+    return [
+        # results folders and --out
+        Bad(["edit", *tiny, "--n", "2", "--strategies", "stale", "--out", "edit-toy"],
+            "edit into a folder holding another model's edit results", 2),
+        Bad(["edit", "--model", "toy-qwen2", "--n", "2", "--strategies", "stale", "--out", "run"],
+            "edit --out a `kvprobe run` folder", 2),
+        Bad(["run", "--model", "toy-qwen2", "--n", "3", "--out", "run"], "run --out a run with other settings", 2),
+        Bad(["run", "--model", "toy-qwen2", "--n", "2", "--out", "a-file.txt"], "run --out a file", 2),
+        Bad(["run", "--model", "toy-qwen2", "--n", "2", "--out", ro], ro_what, 2),
+        Bad(["validate", *tiny, "--n", "2", "--out", "a-file.txt"], "validate --out a file", 2),
+        Bad(["report", "run", "--out", "existing-folder"], "report --out an existing folder", 2),
+        Bad(["datasets", "generate", "--n", "2", "--out", "existing-folder"], "datasets generate --out a folder", 2),
+        Bad(["datasets", "generate", "--n", "2", "--out", "a-file.txt/cases.jsonl"],
+            "datasets generate --out inside a file", 2),
+        Bad(["run", "--model", "toy-qwen2", "--dataset", "nope.jsonl", "--out", "claim-me"],
+            "run on a missing dataset: refused, and claim-me is not created", 3),
+        # case ids: a case id with a path in it ("refund/1", "/tmp/x", "../../x") is accepted and stored
+        # under a percent-encoded file name (tests/cli/test_conventions.py); ids that would share a file are not
+        Bad(["edit", "--model", "toy-qwen2", "--dataset", "ids-collide.jsonl", "--strategies", "stale",
+             "--out", "e4"], "two case ids that collide (Refund-1, refund-1)", 3),
+        Bad(["edit", "--model", "toy-qwen2", "--dataset", "ids-duplicate.jsonl", "--strategies", "stale",
+             "--out", "e5"], "two cases with the same case id", 3),
+        # datasets
+        Bad(["datasets", "show", "--dataset", "bad-line.jsonl"], "malformed JSONL line", 3),
+        Bad(["datasets", "check", *tiny, "--dataset", "missing-field.jsonl"], "JSONL case missing a field", 3),
+        Bad(["run", *tiny, "--dataset", "absent-value.jsonl", "--out", "r-absent"],
+            "JSONL old_value absent from the prompt", 3),
+        Bad(["edit", *tiny, "--dataset", "empty.jsonl", "--out", "e-empty"], "empty JSONL", 3),
+        Bad(["datasets", "show", "--dataset", "array-line.jsonl"], "JSONL line that is an array", 3),
+        Bad(["datasets", "show", "--dataset", "not-utf8.jsonl"], "JSONL that is not UTF-8", 3),
+        Bad(["run", *tiny, "--dataset", "dataset-folder", "--out", "r-folder"], "--dataset a folder", 3),
+        Bad(["edit", *tiny, "--dataset", "long-prompt.jsonl", "--strategies", "stale", "--out", "e-long"],
+            "a prompt longer than the model's window (2048)", 3),
+        Bad(["datasets", "show", "--dataset", "two.jsonl", "--index", "5"],
+            "datasets show --index past the end of a JSONL file", 2),
+        # model files
+        Bad(["datasets", "check", "--model", "header-cut.gguf", "--n", "1"], "GGUF cut inside its header", 3),
+        Bad(["datasets", "check", "--model", "data-cut.gguf", "--n", "1"], "GGUF cut inside its tensor data", 3),
+        Bad(["datasets", "check", "--model", "garbage.gguf", "--n", "1"], "garbage .gguf", 3),
+        Bad(["datasets", "check", "--model", "missing.gguf", "--n", "1"], "missing .gguf", 3),
+        Bad(["datasets", "check", "--model", "hf-bad-json", "--n", "1"], "HF folder: config.json not JSON", 3),
+        Bad(["datasets", "check", "--model", "hf-no-type", "--n", "1"], "HF folder: config.json without model_type", 3),
+        Bad(["datasets", "check", "--model", "hf-list", "--n", "1"], "HF folder: config.json a JSON list", 3),
+        Bad(["datasets", "check", "--model", "hf-no-weights", "--n", "1"], "HF folder: valid config, no weights", 3),
+        Bad(["datasets", "check", "--model", "toy-trunc", "--n", "1"], "toy folder: truncated weights", 3),
+        Bad(["datasets", "check", "--model", "toy-bad-manifest", "--n", "1"], "toy folder: corrupt manifest", 3),
+        Bad(["datasets", "check", "--model", "toy-bad-family", "--n", "1"], "toy folder: manifest names no family",
+            3),
+        Bad(["datasets", "check", "--model", "smollm2-135m", "--n", "1"],
+            "bundled alias whose cached folder is corrupt", 3),
+        Bad(["datasets", "check", "--model", "no-such-model", "--n", "1"], "unknown model", 2),
+        Bad(["models", "fetch", "llama-9000"], "unknown alias for models fetch", 2),
+        Bad(["datasets", "check", "--model", "someorg/somemodel", "--n", "1"], "hub id with no network", 4),
+        # configs
+        Bad(["run", "--config", "cfg-list.yaml", "--out", "r-cfg"], "YAML config that is a list", 3),
+        Bad(["run", "--config", "cfg-scalar.yaml", "--out", "r-cfg"], "YAML config that is a scalar", 3),
+        Bad(["run", "--config", "nope.yaml", "--out", "r-cfg"], "missing config file", 3),
+        Bad(["run", "--config", "cfg-unknown.yaml", "--out", "r-cfg"], "unknown key in config", 3, quote="bogus"),
+        Bad(["run", "--config", "cfg-bad-strategy.yaml", "--out", "r-cfg"], "unknown strategy in config", 3,
+            quote="telepathy"),
+        Bad(["run", "--config", "cfg-folder", "--out", "r-cfg"], "--config a folder", 3),
+        # results folders read
+        Bad(["report", "res-bad-edits", "--out", "r1.html"], "report: corrupt edits.parquet", 3,
+            quote="edits.parquet"),
+        Bad(["report", "res-bad-locality", "--out", "r2.html"], "report: corrupt locality.parquet", 3,
+            quote="locality.parquet"),
+        Bad(["export-topk", "res-bad-edits", "--out", "topk1.yaml"], "export-topk: corrupt edits.parquet", 3,
+            quote="edits.parquet"),
+        Bad(["report", "res-foreign", "--out", "r3.html"], 'report: manifest.json is {"a": 1}', 3,
+            quote="manifest.json"),
+        Bad(["report", "not-results", "--out", "r4.html"], "report: not a results folder", 3),
+        Bad(["report", "no-such-folder", "--out", "r5.html"], "report: missing folder", 3),
+        Bad(["export-topk", "not-results", "--out", "topk2.yaml"], "export-topk: not a results folder", 3),
+        Bad(["export-topk", "run", "--threshold", "7", "--out", "topk3.yaml"], "export-topk --threshold 7", 2),
+        # options
+        Bad(["run", "--model", "toy-qwen2", "--cot", "a,b", "--out", "r-opt"], "run --cot a,b", 2),
+        Bad(["run", "--model", "toy-qwen2", "--cot", "-1", "--out", "r-opt"], "run --cot -1", 2),
+        Bad(["edit", *tiny, "--cot", "x", "--out", "e-opt"], "edit --cot x", 2),
+        Bad(["run", "--model", "toy-qwen2", "--n", "0", "--out", "r-opt"], "run --n 0", 2),
+        Bad(["run", "--model", "toy-qwen2", "--min-flip", "-1", "--out", "r-opt"], "run --min-flip -1", 2),
+        Bad(["edit", *tiny, "--min-flip", "-1", "--out", "e-opt"], "edit --min-flip -1", 2),
+        Bad(["edit", *tiny, "--form", "bogus", "--out", "e-opt"], "edit --form bogus", 2, quote="bogus"),
+        Bad(["run", "--model", "toy-qwen2", "--strategies", "selective:100000:random", "--out", "r-opt"],
+            "selective K larger than any downstream span", 2),
+        Bad(["edit", *tiny, "--strategies", "selective:abc:causal", "--out", "e-opt"], "selective K not a number", 2,
+            quote="selective:abc:causal"),
+        Bad(["edit", *tiny, "--strategies", "telepathy", "--out", "e-opt"], "unknown strategy", 2, quote="telepathy"),
+        Bad(["run", "--model", "toy-qwen2", "--probes", "astrology", "--out", "r-opt"], "unknown probe", 2,
+            quote="astrology"),
+        Bad(["validate", *tiny, "--seams", "x", "--out", "v-opt"], "validate --seams x", 2),
+        Bad(["validate", *tiny, "--block-tokens", "5", "--out", "v-opt"], "validate --block-tokens 5", 2),
+        Bad(["toy", "eval", "--family", "qwen2", "--folder", "toy-copy"], "toy eval with --family and --folder", 2),
+        Bad(["serve-bench", "--model", "smollm2-135m", "--url", "ftp://host:1", "--out", "sb"],
+            "serve-bench --url that is not http(s)", 2),
+        Bad(["serve-bench", "--model", "smollm2-135m", "--url", "http://127.0.0.1:9", "--out", "sb"],
+            "serve-bench --url of a dead server", 4),
+        # a check that runs and fails
+        Bad(["edit", *tiny, "--n", "2", "--strategies", "stale", "--out", "zero-valid"],
+            "edit where no case is valid (tiny models have random weights)", 1, writes="zero-valid"),
+    ]
+
+
+# -- running and reporting -------------------------------------------------------------------------
+
+def run_one(bad: Bad, s: Path) -> Row:
+    before = tree_hash(s, bad.writes)
+    start = time.monotonic()
+    try:
+        proc = kvprobe(bad.args, s)
+        code: int | str = proc.returncode
+        stderr = proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        code = "timeout"
+        stderr = (exc.stderr or b"").decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+    seconds = time.monotonic() - start
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    if bad.expect == 1:  # the command ran before its check failed: its progress lines may come first
+        one_line = len(errors) == 1 and lines[-1] == errors[0]
+    else:
+        one_line = len(lines) == 1 and len(errors) == 1
+    one_line = one_line and "Traceback" not in stderr
+    if errors:
+        message = errors[-1]
+    elif lines:
+        message = lines[-1]  # a traceback's exception, or whatever it said last
+    else:
+        message = "(nothing on stderr)"
+    others = [] if one_line else [ln.strip().replace(str(s), "$S") for ln in lines if ln != message][:3]
+    after = tree_hash(s, bad.writes)
+    return Row(bad, code, message.replace(str(s), "$S"), others, one_line, before == after, seconds)
+
+
+def shown(bad: Bad, s: Path) -> str:
+    return " ".join(["kvprobe", *map(shlex.quote, bad.args)]).replace(str(s), "$S")
+
+
+def cell(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;").replace("\n", " ")
+
+
+def code_cell(text: str) -> str:
+    return "`" + text.replace("|", "\\|").replace("`", "'") + "`"
+
+
+def write_doc(rows: list[Row], s: Path, doc: Path) -> None:
+    from kvprobe.errors import EXIT_CODES
+
+    failed = [r for r in rows if not r.ok]
+    out = [
+        "# Bad inputs: what each gives",
+        "",
+        f"Generated by `{REGENERATE}` (about five minutes on two cores); do not edit by hand.",
+        "",
+        ("Each row is one `kvprobe` command run as its own process in a scratch folder (`$S`: a temporary "
+         "directory with its own `KVPROBE_HOME` and `HF_HOME`, a small results folder `run` made once with "
+         "`kvprobe run --model toy-qwen2 --n 6`, and broken files: JSONL, GGUF, model folders, configs, results "
+         "folders, a file where a folder is expected, a folder that cannot be written). Paths in the commands "
+         "are relative to `$S`."),
+        "",
+        "Columns:",
+        "",
+        "- **input**: what is wrong.",
+        "- **command**: the command line.",
+        "- **expected** / **got**: the exit code the input must give, and the one it gave.",
+        ("- **one line?**: stderr is exactly one line, `error: ...`, with no traceback. A command expected to "
+         "exit 1 ran before its check failed, so its progress lines may come first; its last line must be "
+         "the one `error:` line."),
+        ("- **unchanged?**: a sha256 over every path, file mode and file content under `$S` is the same before "
+         "and after the command (no claim, no half-written file, no stray `.tmp`). Only an exit-1 row, whose "
+         "command legitimately ran, has its own `--out` left out of the hash (marked *except OUT*)."),
+        ("- **message**: the error line (or, when there is none, the last line on stderr), then, when stderr "
+         "held more, its first other lines."),
+        "",
+        "Exit codes (`kvprobe.errors.EXIT_CODES`):",
+        "",
+        "| code | meaning |",
+        "|---|---|",
+        *[f"| {c} | {cell(m)} |" for c, m in EXIT_CODES.items()],
+        "",
+        f"{len(rows)} inputs, {len(rows) - len(failed)} as expected"
+        + (f", **{len(failed)} not**: {', '.join(str(rows.index(r) + 1) for r in failed)}." if failed else "."),
+        "",
+        "| # | input | command | expected | got | one line? | unchanged? | message |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for i, r in enumerate(rows, 1):
+        unchanged = ("yes" if r.unchanged else "**no**") + (f" *except {r.bad.writes}*" if r.bad.writes else "")
+        got = str(r.code) if r.code == r.bad.expect else f"**{r.code}**"
+        message = cell(r.message) + ("" if r.quoted else f" **(does not quote {cell(repr(r.bad.quote))})**")
+        if r.others:
+            message += " (also on stderr: " + "; ".join(code_cell(o[:120]) for o in r.others) + ")"
+        out.append(f"| {i} | {cell(r.bad.what)} | {code_cell(shown(r.bad, s))} | {r.bad.expect} | {got} | "
+                   f"{'yes' if r.one_line else '**no**'} | {unchanged} | {message} |")
+    doc.write_text("\n".join(out) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--doc", type=Path, default=DOC, help="the Markdown table to write")
+    parser.add_argument("--only", help="run only the inputs whose command holds this text (no doc written)")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch folder")
+    opts = parser.parse_args()
+
+    def say(msg: str) -> None:
+        print(msg, flush=True)
+
+    scratch = Path(tempfile.mkdtemp(prefix="kvprobe-bad-inputs-"))
+    try:
+        start = time.monotonic()
+        prepare(scratch, say)
+        todo = [b for b in inputs(scratch) if not opts.only or opts.only in " ".join(b.args)]
+        say(f"scratch folder {scratch} ready in {time.monotonic() - start:.0f} s; {len(todo)} inputs")
+        rows = []
+        for i, bad in enumerate(todo, 1):
+            row = run_one(bad, scratch)
+            rows.append(row)
+            say(f"[{i:2d}/{len(todo)}] {'ok  ' if row.ok else 'FAIL'} exit {row.code} (want {bad.expect}) "
+                f"{row.seconds:4.0f} s  {shown(bad, scratch)}" + ("" if row.ok else f"  -- {row.why()}"))
+        failed = [r for r in rows if not r.ok]
+        if not opts.only:
+            write_doc(rows, scratch, opts.doc)
+            say(f"wrote {opts.doc}")
+        say(f"{len(rows)} inputs, {len(rows) - len(failed)} as expected, {len(failed)} not "
+            f"({time.monotonic() - start:.0f} s)")
+        for r in failed:
+            say(f"FAIL {shown(r.bad, scratch)}: {r.why()}\n     {r.message}" +
+                "".join(f"\n     also: {o}" for o in r.others))
+        return 1 if failed else 0
+    finally:
+        if opts.keep:
+            print(f"kept {scratch}", flush=True)
+        else:
+            for dirpath, dirnames, _ in os.walk(scratch):  # a chmod 500 folder cannot be emptied
+                for d in dirnames:
+                    os.chmod(Path(dirpath) / d, 0o700)
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
