@@ -29,12 +29,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from kvprobe.composer.gate import run_compose, summarize_compose
 from kvprobe.datasets import ERRATUM, ERRATUM_TEMPLATES, Skip, align, resolve_dataset
 from kvprobe.datasets.tokens import case_tokens
+from kvprobe.defaults import DEFAULT_MIN_FLIP, DEFAULT_MODEL, DEFAULT_N, DEFAULT_STRATEGIES, FORMS
 from kvprobe.editor.causal_rule import fit_rule
 from kvprobe.editor.rankings import RANKINGS
 from kvprobe.editor.runner import edit_case
 from kvprobe.editor.strategies import Strategy, parse_strategy
 from kvprobe.editor.topk import export_topk, kinds_of_top
-from kvprobe.defaults import DEFAULT_MIN_FLIP, DEFAULT_MODEL, DEFAULT_N, DEFAULT_STRATEGIES, FORMS
 from kvprobe.errors import CheckFailed, KvprobeError
 from kvprobe.models import load_model
 from kvprobe.probes import STAGES, Inputs, in_order
@@ -44,6 +44,7 @@ from kvprobe.results import (
     EDITS,
     MANIFEST,
     RANKING_RULE,
+    RUN_CLAIM,
     TOKENS,
     VALIDITY,
     CaseStore,
@@ -53,7 +54,6 @@ from kvprobe.results import (
 )
 
 ALL_PROBES = tuple(STAGES)  # every registered probe, in registration order
-RUN_CLAIM = "config.json"  # a run's settings, in its folder: a rerun resumes only with the same ones
 
 
 class RunConfig(BaseModel):
@@ -335,13 +335,13 @@ def prepare(cfg: RunConfig, lm, cases: list) -> Selection:
 
 def check_cases(lm, aligned: list, strategies: list[Strategy], cot: list[int], form: str) -> None:
     """One-line errors, before any forward pass, for a case over the window or a strategy that cannot repair it."""
+    longest = max(cot, default=0)
     for a in aligned:
-        lm.check_length(len(a.ids_new) + 1, f"case {a.case.case_id}")
-        for budget in (c for c in cot if c > 0):
-            with_cot = align(a.case.model_copy(update={"cot": True}), lm.tokenizer, form)
-            if not isinstance(with_cot, Skip):
-                lm.check_length(len(with_cot.ids_new) + budget + 1,
-                                f"case {a.case.case_id} with a chain-of-thought budget of {budget} tokens")
+        lm.check_length(max(len(a.ids_old), len(a.ids_new)), f"case {a.case.case_id}")
+        with_cot = align(a.case.model_copy(update={"cot": True}), lm.tokenizer, form) if longest else None
+        if with_cot is not None and not isinstance(with_cot, Skip):
+            lm.check_length(len(with_cot.ids_new) + longest,
+                            f"case {a.case.case_id} with a chain-of-thought budget of {longest} tokens")
         for s in strategies:
             s.check(lm, a)
 

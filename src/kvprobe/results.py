@@ -6,6 +6,7 @@ it wrote, so an interrupted run never leaves a half-written table that looks fin
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -112,9 +113,10 @@ def check_claim(folder: Path | str, name: str, config: dict, settle=lambda store
             stored = json.loads(path.read_text())
         except ValueError:
             raise KvprobeError(f"{path} is not valid JSON; remove the folder or choose another --out") from None
-        if settle(stored) != config:
-            differ = sorted(k for k in set(config) | set(stored if isinstance(stored, dict) else {})
-                            if not isinstance(stored, dict) or stored.get(k) != config.get(k))
+        then = settle(stored)
+        if then != config:
+            differ = sorted(k for k in set(config) | set(then if isinstance(then, dict) else {})
+                            if not isinstance(then, dict) or then.get(k) != config.get(k))
             raise UsageError(f"{folder} holds a {held} (differs in {', '.join(differ[:6]) or 'format'}); choose "
                              f"another --out or remove it")
         return True
@@ -128,8 +130,6 @@ def part_name(key: str) -> str:
     """A file name for a part key (a case id): every character outside ``[A-Za-z0-9._-]``, a leading
     dot and ``%`` itself percent-encoded, so no key holds a path separator or escapes its folder, and
     two keys never share a name; a long key keeps a readable head and a hash."""
-    import hashlib
-
     name = "".join(c if c in _SAFE else "".join(f"%{b:02X}" for b in c.encode()) for c in key)
     if name.startswith("."):
         name = "%2E" + name[1:]

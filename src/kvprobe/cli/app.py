@@ -23,7 +23,7 @@ from kvprobe.cli.run import export_topk, run
 from kvprobe.cli.serve import serve_app, serve_bench
 from kvprobe.cli.toy import toy_app
 from kvprobe.cli.validate import validate
-from kvprobe.errors import KvprobeError
+from kvprobe.errors import EXIT_CODES, KvprobeError
 
 try:  # typer >= 0.20 vendors click, and keeps Exit and Abort in typer.exceptions
     from typer._click.exceptions import ClickException
@@ -32,8 +32,7 @@ except ImportError:  # pragma: no cover
     from click.exceptions import Abort, ClickException, Exit
 
 HELP = ("Probe, edit and compose a language model's KV cache.\n\n"
-        "Exit codes: 0 ok, 1 a gate or check failed, 2 usage (a bad option or --out), 3 bad input data or "
-        "files, 4 environment (a model that cannot be fetched, a missing or dead server), 130 interrupted.")
+        + "Exit codes: " + "; ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items()) + ".")
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 120}
 INTERRUPTED = "interrupted; finished work is saved: rerun the same command to resume"
 

@@ -44,9 +44,9 @@ def run(ctx: typer.Context,
     """
     from pydantic import ValidationError
 
-    from kvprobe.pipeline import RUN_CLAIM, RunConfig, load_cases, settled
+    from kvprobe.pipeline import RunConfig, load_cases, settled
     from kvprobe.pipeline import run as run_pipeline
-    from kvprobe.results import check_case_ids, check_claim
+    from kvprobe.results import RUN_CLAIM, check_case_ids, check_claim
 
     given = {name for name in ("model", "dataset", "n", "seed", "form", "few_shot", "probes", "strategies", "cot",
                                "min_flip", "valid_only", "max_controls", "compose")
