@@ -14,6 +14,7 @@ from kvprobe.errors import UsageError
 datasets_app = typer.Typer(help="Field-edit datasets: list domains, show and generate cases, check a model.",
                            no_args_is_help=True)
 
+
 @datasets_app.command("list")
 def list_domains() -> None:
     """The generator's gated domains, their decision fields and the negative-control fields."""
@@ -30,7 +31,8 @@ def list_domains() -> None:
 
 @datasets_app.command("show")
 def show(dataset: opt.Dataset = "default", index: int = typer.Option(0, min=0, help="which case, from 0"),
-         seed: opt.Seed = 0, model: str | None = typer.Option(None, help="show token spans under this model's tokenizer"),
+         seed: opt.Seed = 0,
+         model: str | None = typer.Option(None, help="show token spans under this model's tokenizer"),
          form: opt.Form = "auto") -> None:
     """Print one case: its prompt with the old value, the expected answers, and token spans."""
     from kvprobe.datasets import Skip, align, render_prompt, resolve_dataset
@@ -74,9 +76,8 @@ def check(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "defa
           per_case: bool = typer.Option(True, help="print the per-case table")) -> None:
     """Prefill every case with both values: accuracy, paired flip rate, logit shift, validity."""
     from kvprobe.datasets import resolve_dataset
-    from kvprobe.probes.field_following import check_cases, summarize
-
     from kvprobe.defaults import FORMS
+    from kvprobe.probes.field_following import check_cases, summarize
 
     if form not in FORMS:
         raise UsageError(f"unknown --form {form!r}; accepted: {', '.join(FORMS)}")

@@ -110,8 +110,8 @@ def _print_headline(out: Path, cfg) -> None:
 
 def export_topk(results_dir: Path = typer.Argument(..., help="a kvprobe run results folder"),
                 out: Path | None = typer.Option(None, show_default="RESULTS_DIR/topk.yaml", help="YAML path"),
-                threshold: float = typer.Option(0.95, min=0.0, max=1.0,
-                                                help="agreement with the oracle that K* must reach, in [0, 1]")) -> None:
+                threshold: float = typer.Option(0.95, min=0.0, max=1.0, help="agreement with the oracle that K* "
+                                                                             "must reach, in [0, 1]")) -> None:
     """Write the per-model top-K YAML (K*, ranking rule, token kinds, fingerprint) for serving."""
     from kvprobe.cli.common import usable_file
     from kvprobe.editor.topk import export_topk as export

@@ -129,9 +129,9 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
 
     from pydantic import ValidationError
 
+    from kvprobe.results import SERVING_MANIFEST, refuse_foreign
     from kvprobe.serving import bench, server
     from kvprobe.serving.client import ServerGone, normalize_url, served_models
-    from kvprobe.results import SERVING_MANIFEST, refuse_foreign
     from kvprobe.serving.measure import parse_rates
 
     try:

@@ -68,4 +68,5 @@ def render_report(results_dirs: list[Path], out: Path) -> Path:
     try:
         return atomic_write(out, lambda tmp: tmp.write_text(html, encoding="utf-8"))
     except OSError as exc:
-        raise UsageError(f"cannot write the report to {out} ({exc.strerror or exc}); give a path you can write") from None
+        raise UsageError(f"cannot write the report to {out} ({exc.strerror or exc}); give a path you can "
+                         f"write") from None

@@ -272,8 +272,8 @@ class Bench:
     def run(self) -> Path:
         self._check_resume()
         if self.block_size is None:
-            raise EnvironmentProblem(f"the server at {self.url} does not say its KV block size (no {measure.CACHE_INFO} in "
-                                     f"/metrics); kvprobe serve-bench needs a vLLM server")
+            raise EnvironmentProblem(f"the server at {self.url} does not say its KV block size (no "
+                                     f"{measure.CACHE_INFO} in /metrics); kvprobe serve-bench needs a vLLM server")
         atomic_write_json(self.manifest(), self.out / SERVING_MANIFEST)
         self._replay()
         self.progress("warming the static prefix (the base prompt, greedy: also its oracle)")

@@ -206,8 +206,8 @@ def _wait_healthy(proc: subprocess.Popen, state: ServerState, timeout_s: float,
         if healthy(state.url):
             return
         if elapsed > timeout_s:
-            raise EnvironmentProblem(f"the vLLM server for {state.model} was not healthy after {timeout_s:.0f} s and was "
-                                     f"stopped; log {state.log}: {log_tail(state.log)}")
+            raise EnvironmentProblem(f"the vLLM server for {state.model} was not healthy after {timeout_s:.0f} s "
+                                     f"and was stopped; log {state.log}: {log_tail(state.log)}")
         progress(f"waiting for the vLLM server ({elapsed:.0f} s; start-up takes 75-115 s)")
         time.sleep(1.0)
 
@@ -253,7 +253,8 @@ def stop(state: ServerState | None = None) -> ServerState:
     """Stop the recorded server (or ``state``) and remove the state file; returns what was stopped."""
     state = state or read_state()
     if state is None:
-        raise EnvironmentProblem("no kvprobe vLLM server is running; start one with `kvprobe serve start --model ALIAS`")
+        raise EnvironmentProblem("no kvprobe vLLM server is running; start one with "
+                                 "`kvprobe serve start --model ALIAS`")
     _kill_group(state.pid)
     path = state_path()
     try:
