@@ -5,6 +5,7 @@ DEFAULT_MODEL = "toy-qwen2"  # the bundled default: ships in the package, decide
 DEFAULT_N = 40
 DEFAULT_MIN_FLIP = 1.0  # logits: a case whose oracle flip is smaller gets no recovery ratio
 FORMS = ("auto", "chat", "raw")  # how a case becomes a prompt (see kvprobe.datasets.render)
+DEFAULT_FORM = "auto"  # chat where the tokenizer has a template, else raw
 
 # the strategies a run or an edit uses unless told otherwise (specs of kvprobe.editor.strategies)
 DEFAULT_STRATEGIES = ("stale", "field_only", "selective:8:attention", "selective:8:random", "cacheblend:0.15",

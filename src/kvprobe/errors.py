@@ -11,6 +11,8 @@ else is a bug and keeps its traceback. The exit codes (docs/cli.md documents the
     130  interrupted (Ctrl-C); finished work is kept and the same command resumes
 """
 
+from __future__ import annotations
+
 EXIT_CODES = {
     0: "ok",
     1: "a gate or check ran and failed",
@@ -35,6 +37,12 @@ class UsageError(KvprobeError):
     """A bad option, option value or combination, or an unusable --out (exit status 2)."""
 
     exit_code = 2
+
+    @classmethod
+    def from_validation(cls, exc, command: str) -> UsageError:
+        """The first error of a pydantic ValidationError over a command's options, named as the option."""
+        err = exc.errors()[0]
+        return cls(f"bad {command} option --{str(err['loc'][0]).replace('_', '-')}: {err['msg']}")
 
 
 class CheckFailed(KvprobeError):

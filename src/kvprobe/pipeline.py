@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from kvprobe.composer.gate import run_compose, summarize_compose
 from kvprobe.datasets import ERRATUM, ERRATUM_TEMPLATES, Skip, align, resolve_dataset
 from kvprobe.datasets.tokens import case_tokens
-from kvprobe.defaults import DEFAULT_MIN_FLIP, DEFAULT_MODEL, DEFAULT_N, DEFAULT_STRATEGIES, FORMS
+from kvprobe.defaults import DEFAULT_FORM, DEFAULT_MIN_FLIP, DEFAULT_MODEL, DEFAULT_N, DEFAULT_STRATEGIES, FORMS
 from kvprobe.editor.causal_rule import fit_rule
 from kvprobe.editor.rankings import RANKINGS
 from kvprobe.editor.runner import edit_case
@@ -65,7 +65,7 @@ class RunConfig(BaseModel):
     dataset: str = "default"
     n: int = Field(DEFAULT_N, ge=1)
     seed: int = 0
-    form: str = "auto"
+    form: str = DEFAULT_FORM
     few_shot: int = Field(0, ge=0)
     probes: list[str] = list(ALL_PROBES)
     strategies: list[str] = list(DEFAULT_STRATEGIES)
@@ -172,7 +172,7 @@ class RunConfig(BaseModel):
             err = exc.errors()[0]
             loc = ".".join(map(str, err["loc"]))
             if err["loc"] and err["loc"][0] in overrides:  # a flag is at fault, not the file
-                raise UsageError(f"bad run option --{str(err['loc'][0]).replace('_', '-')}: {err['msg']}") from None
+                raise UsageError.from_validation(exc, "run") from None
             hint = f"; accepted keys: {keys}" if err["type"] == "extra_forbidden" else ""
             raise KvprobeError(f"{path}: {loc}: {err['msg']}{hint}") from None
         except KvprobeError as exc:  # a validator's own one-line error (a bad strategy spec)

@@ -20,9 +20,6 @@ from kvprobe.errors import UsageError
 console = Console(width=170, emoji=False) if not sys.stdout.isatty() else Console(emoji=False)  # logs: wide tables
 err_console = Console(stderr=True, emoji=False) if sys.stderr.isatty() else Console(stderr=True, width=200, emoji=False)
 
-ALLOW_FAILED_TOY_HELP = "load a toy folder even though its manifest records a failed held-out check"
-
-
 class PlainProgress:
     """The part of rich's Progress that commands use, printed as plain lines on stderr: one when a
     task starts, then at most one every ``every`` seconds, and one when it completes. For logs and
@@ -126,5 +123,5 @@ def usable_file(out: Path, option: str = "--out") -> Path:
     """Refuse, before any work, an output file that is a folder or whose folder cannot be written."""
     if out.is_dir():
         raise UsageError(f"{option} {out} is a folder; give a file path")
-    usable_out(out.parent if str(out.parent) else Path("."), option)
+    usable_out(out.parent, option)  # Path("x").parent is Path(".")
     return out

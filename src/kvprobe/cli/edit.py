@@ -15,7 +15,7 @@ from kvprobe.errors import CheckFailed, UsageError
 
 def edit(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "default",
          strategies: opt.Strategies = opt.DEFAULTS["strategies"], n: opt.N = opt.DEFAULTS["n"], seed: opt.Seed = 0,
-         cot: opt.Cot = "0", form: opt.Form = "auto", few_shot: opt.FewShot = 0,
+         cot: opt.Cot = "0", form: opt.Form = opt.DEFAULTS["form"], few_shot: opt.FewShot = 0,
          min_flip: opt.MinFlip = opt.DEFAULTS["min_flip"],
          all_cases: bool = typer.Option(False, "--all-cases", help="summarise invalid cases too"),
          allow_failed_toy: opt.AllowFailedToy = False,
@@ -32,13 +32,10 @@ def edit(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "defau
                                  claim_folder)
 
     try:
-        cfg = RunConfig(model=model, dataset=dataset, strategies=[s.strip() for s in strategies.split(",")
-                                                                  if s.strip()],
-                        n=n, seed=seed, cot=opt.parse_ints(cot, "--cot"), form=form, few_shot=few_shot,
+        cfg = RunConfig(model=model, dataset=dataset, strategies=opt.parse_csv(strategies), n=n, seed=seed, cot=opt.parse_ints(cot, "--cot"), form=form, few_shot=few_shot,
                         min_flip=min_flip, probes=[])
     except ValidationError as exc:
-        err = exc.errors()[0]
-        raise UsageError(f"bad edit option --{str(err['loc'][0]).replace('_', '-')}: {err['msg']}") from None
+        raise UsageError.from_validation(exc, "edit") from None
     out = usable_out(out or opt.default_out("edit", model))
     settings = {"command": "edit", "model": model, "dataset": dataset, "n": cfg.n, "seed": seed,
                 "strategies": cfg.strategies, "cot": cfg.cot, "form": form, "few_shot": few_shot, "min_flip": min_flip}

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kvprobe.defaults import DEFAULT_MIN_FLIP, DEFAULT_MODEL, DEFAULT_N, DEFAULT_STRATEGIES, FORMS
+from kvprobe.defaults import DEFAULT_FORM, DEFAULT_MIN_FLIP, DEFAULT_MODEL, DEFAULT_N, DEFAULT_STRATEGIES, FORMS
 
 # The built-in strategies' grammar (kvprobe.editor.strategies.spec_grammar() on the built-in
 # registry; tests/cli/test_conventions.py checks it is current). A strategy registered by a plugin
@@ -23,8 +23,16 @@ Model = Annotated[str, typer.Option(help="model spec: a bundled alias, tiny-<fam
 Dataset = Annotated[str, typer.Option(help="'default' (generated: --n cases from --seed) or a JSONL file of cases")]
 N = Annotated[int, typer.Option(min=1, help="cases (generated data: how many; a JSONL file: at most this many)")]
 Seed = Annotated[int, typer.Option(help="seed of the generated data and of every random choice")]
-Form = Annotated[str, typer.Option(help=f"how a case becomes a prompt: {', '.join(FORMS)} (auto = chat where the "
-                                        f"tokenizer has a template)")]
+def _form(value: str) -> str:
+    from kvprobe.errors import UsageError
+
+    if value not in FORMS:
+        raise UsageError(f"unknown --form {value!r}; accepted: {', '.join(FORMS)}")
+    return value
+
+
+Form = Annotated[str, typer.Option(callback=_form, help=f"how a case becomes a prompt: {', '.join(FORMS)} (auto = "
+                                                         f"chat where the tokenizer has a template)")]
 FewShot = Annotated[int, typer.Option(min=0, help="demonstrations from other domains before each generated case")]
 Cot = Annotated[str, typer.Option(help="comma-separated chain-of-thought token budgets, each >= 0 (0 = none), "
                                        "e.g. 0,64")]
@@ -50,14 +58,23 @@ def out_option(what: str):
 Out = Annotated[Path | None, typer.Option(show_default=False, help=_out_help("default results/<command>/<model>"))]
 
 DEFAULTS = {"model": DEFAULT_MODEL, "n": DEFAULT_N, "min_flip": DEFAULT_MIN_FLIP,
-            "strategies": ",".join(DEFAULT_STRATEGIES), "form": "auto", "cot": "0", "few_shot": 0, "seed": 0,
-            "dataset": "default"}
+            "strategies": ",".join(DEFAULT_STRATEGIES), "form": DEFAULT_FORM}
+
+
+def folder_name(model: str) -> str:
+    """A model spec as one folder name: a path gives its last part, a hub id ``org/name`` ``org_name``."""
+    name = Path(model).name if model.endswith(".gguf") or Path(model).expanduser().is_dir() else model
+    return name.replace("/", "_")
 
 
 def default_out(command: str, model: str) -> Path:
-    """``results/<command>/<model>``; a path or hub id becomes one folder name."""
-    name = Path(model).name if model.endswith(".gguf") or Path(model).expanduser().is_dir() else model
-    return Path("results") / command / name.replace("/", "_")
+    """``results/<command>/<model>``."""
+    return Path("results") / command / folder_name(model)
+
+
+def parse_csv(value: str) -> list[str]:
+    """``"stale, oracle,"`` -> ``["stale", "oracle"]``: a comma-separated option's items, stripped."""
+    return [v.strip() for v in value.split(",") if v.strip()]
 
 
 def parse_ints(value: str, option: str, minimum: int | None = 0, count: int | None = None) -> list[int]:
@@ -65,7 +82,7 @@ def parse_ints(value: str, option: str, minimum: int | None = 0, count: int | No
     from kvprobe.errors import UsageError
 
     try:
-        out = [int(v) for v in value.split(",") if v.strip()]
+        out = [int(v) for v in parse_csv(value)]
     except ValueError:
         out = []
     if (not out or (count is not None and len(out) != count)

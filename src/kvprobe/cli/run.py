@@ -16,13 +16,9 @@ from kvprobe.cli.common import console, load_with_status, progress_bar, usable_o
 from kvprobe.errors import UsageError
 
 
-def _csv(value: str) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()]
-
-
 def run(ctx: typer.Context,
         model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "default", n: opt.N = opt.DEFAULTS["n"],
-        seed: opt.Seed = 0, form: opt.Form = "auto", few_shot: opt.FewShot = 0,
+        seed: opt.Seed = 0, form: opt.Form = opt.DEFAULTS["form"], few_shot: opt.FewShot = 0,
         probes: str = typer.Option(opt.PROBES.replace(" ", ""), help="comma-separated probes to run"),
         strategies: opt.Strategies = opt.DEFAULTS["strategies"], cot: opt.Cot = "0",
         min_flip: opt.MinFlip = opt.DEFAULTS["min_flip"],
@@ -52,15 +48,14 @@ def run(ctx: typer.Context,
                                "min_flip", "valid_only", "max_controls", "compose")
              if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)}
     values = {"model": model, "dataset": dataset, "n": n, "seed": seed, "form": form, "few_shot": few_shot,
-              "probes": _csv(probes), "strategies": _csv(strategies), "cot": opt.parse_ints(cot, "--cot"),
+              "probes": opt.parse_csv(probes), "strategies": opt.parse_csv(strategies), "cot": opt.parse_ints(cot, "--cot"),
               "min_flip": min_flip, "valid_only": valid_only, "max_controls": max_controls, "compose": compose}
     overrides = {k: v for k, v in values.items() if k in given}  # the rest: the config file's, or RunConfig's
     try:
         cfg = RunConfig.from_yaml(config, **overrides) if config else RunConfig(**overrides)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        raise UsageError(f"bad run option --{str(err['loc'][0]).replace('_', '-')}: {err['msg']}") from None
-    out = usable_out(out or Path("results") / opt.default_out("run", cfg.model).name)
+        raise UsageError.from_validation(exc, "run") from None
+    out = usable_out(out or Path("results") / opt.folder_name(cfg.model))
     check_claim(out, RUN_CLAIM, cfg.model_dump(), settle=settled)  # fail before loading; claimed once all is valid
     cases = load_cases(cfg)
     check_case_ids(c.case_id for c in cases)

@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from kvprobe.cli import options as opt
 from kvprobe.cli.common import console, err_console, progress_bar, usable_out
 from kvprobe.errors import EnvironmentProblem, UsageError
 
@@ -136,11 +137,10 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
 
     try:
         cfg = bench.BenchConfig(model=model, rates=parse_rates(rates), n=n, max_s=max_s,
-                                arms=[a.strip() for a in arms.split(",") if a.strip()], policy_tokens=policy_tokens,
+                                arms=opt.parse_csv(arms), policy_tokens=policy_tokens,
                                 seed=seed, domain=domain, erratum_template=erratum_template)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        raise UsageError(f"bad serve-bench option --{str(err['loc'][0]).replace('_', '-')}: {err['msg']}") from None
+        raise UsageError.from_validation(exc, "serve-bench") from None
     bench.resolve_template(cfg.erratum_template)  # a bad template fails before any server starts
     bench.check_model(model)  # so does an unknown model
     out = usable_out(out or Path("results") / f"serving-{Path(model).name}")

@@ -8,7 +8,8 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from kvprobe.cli.common import ALLOW_FAILED_TOY_HELP, console, err_console, load_with_status, progress_bar, say
+from kvprobe.cli import options as opt
+from kvprobe.cli.common import console, err_console, load_with_status, progress_bar, say
 from kvprobe.errors import UsageError
 
 toy_app = typer.Typer(help="Toy field-edit models: a small model of each family that decides by the field, "
@@ -104,7 +105,7 @@ def evaluate(family: str = typer.Option(None, help=FAMILY_HELP + " (the shipped 
              folder: Path = typer.Option(None, help="a toy folder made by `kvprobe toy train`, instead of --family"),
              n: int = typer.Option(400, min=10, help="held-out cases (a quarter are negative controls)"),
              seed: int = typer.Option(None, help="held-out seed (default: the toy evaluation seed)"),
-             allow_failed_toy: bool = typer.Option(False, "--allow-failed-toy", help=ALLOW_FAILED_TOY_HELP)) -> None:
+             allow_failed_toy: opt.AllowFailedToy = False) -> None:
     """Evaluate a toy (the shipped toy-<family>, or --folder) on fresh held-out cases."""
     from kvprobe.models.toy_folder import toy_family
     from kvprobe.toys.evaluate import EVAL_SEED, evaluate_toy

@@ -28,7 +28,7 @@ def validate(model: opt.Model = opt.DEFAULTS["model"], n: int = typer.Option(50,
                                              help="minimum agreement with full recompute at --seam"),
              block_tokens: str = typer.Option("200,400", help="min,max tokens per skill block"),
              blocks: str = typer.Option("1,4", help="min,max blocks per context"),
-             form: opt.Form = "auto",
+             form: opt.Form = opt.DEFAULTS["form"],
              attn: str = typer.Option("eager", help="attention implementation: eager or sdpa"),
              store: bool = typer.Option(True, help="save every block to <out>/blocks and compose from the files"),
              allow_failed_toy: opt.AllowFailedToy = False,
@@ -42,15 +42,12 @@ def validate(model: opt.Model = opt.DEFAULTS["model"], n: int = typer.Option(50,
     from kvprobe.composer.blocks import check_composable
     from kvprobe.composer.gate import run_compose, summarize_compose
     from kvprobe.datasets.skills import check_options
-    from kvprobe.defaults import FORMS
     from kvprobe.results import (COMPOSE, VALIDATE_CLAIM, CaseStore, atomic_write_json, atomic_write_parquet,
                                  check_claim, claim_folder)
 
     seam_list = sorted(set(opt.parse_ints(seams, "--seams")) | {seam})
     bt, nb = opt.parse_ints(block_tokens, "--block-tokens", count=2), opt.parse_ints(blocks, "--blocks", count=2)
     check_options(n, tuple(bt), tuple(nb))
-    if form not in FORMS:
-        raise UsageError(f"unknown --form {form!r}; accepted: {', '.join(FORMS)}")
     if attn not in ("eager", "sdpa"):
         raise UsageError(f"unknown --attn {attn!r}; accepted: eager, sdpa")
     out = usable_out(out or opt.default_out("validate", model))
