@@ -29,15 +29,28 @@ def list_domains() -> None:
     console.print(table)
 
 
+Layout = typer.Option("record", help="prompt layout: record, lines, prose, json, yaml, chat_history, tool_spec")
+FillerTokens = typer.Option(None, min=0, show_default="2-6 filler rules around the field",
+                            help="about this many tokens of filler after the field, the field first (0 = none)")
+FieldStyle = typer.Option("key", help="record keys as written (key: order_status) or in words (words: order status)")
+RuleStyle = typer.Option("allow", help="the rule names the allowing values (allow) or the denying ones (deny)")
+
+
 @datasets_app.command("show")
 def show(dataset: opt.Dataset = "default", index: int = typer.Option(0, min=0, help="which case, from 0"),
          seed: opt.Seed = 0,
          model: str | None = typer.Option(None, help="show token spans under this model's tokenizer"),
-         form: opt.Form = opt.DEFAULTS["form"]) -> None:
+         form: opt.Form = opt.DEFAULTS["form"], layout: str = Layout, filler_tokens: int | None = FillerTokens,
+         field_style: str = FieldStyle, rule_style: str = RuleStyle) -> None:
     """Print one case: its prompt with the old value, the expected answers, and token spans."""
     from kvprobe.datasets import Skip, align, render_prompt, resolve_dataset
 
-    cases = resolve_dataset(dataset, n=index + 1, seed=seed)
+    knobs = {"layout": layout, "filler_tokens": filler_tokens, "field_style": field_style, "rule_style": rule_style}
+    if dataset not in (None, "default") and knobs != {"layout": "record", "filler_tokens": None, "field_style": "key",
+                                                     "rule_style": "allow"}:
+        raise UsageError("--layout, --filler-tokens, --field-style and --rule-style shape generated cases; a JSONL "
+                         "dataset has its own (drop them, or use --dataset default)")
+    cases = resolve_dataset(dataset, n=index + 1, seed=seed, **(knobs if dataset in (None, "default") else {}))
     if index >= len(cases):
         raise UsageError(f"index {index} is out of range; the dataset has {len(cases)} cases")
     case = cases[index]
@@ -60,12 +73,14 @@ def show(dataset: opt.Dataset = "default", index: int = typer.Option(0, min=0, h
 @datasets_app.command("generate")
 def generate_cmd(out: Path = typer.Option(..., help="JSONL file to write"), n: int = typer.Option(100, min=1),
                  seed: int = 0, few_shot: int = typer.Option(0, min=0), controls: float = 0.2,
-                 cot: bool = False) -> None:
+                 cot: bool = False, layout: str = Layout, filler_tokens: int | None = FillerTokens,
+                 field_style: str = FieldStyle, rule_style: str = RuleStyle) -> None:
     """Write generated cases as JSONL (one EditCase per line; see the README for the format)."""
     from kvprobe.datasets import generate, save_jsonl
 
     usable_file(out)
-    path = save_jsonl(generate(n, seed=seed, few_shot=few_shot, controls=controls, cot=cot), out)
+    path = save_jsonl(generate(n, seed=seed, few_shot=few_shot, controls=controls, cot=cot, layout=layout,
+                               filler_tokens=filler_tokens, field_style=field_style, rule_style=rule_style), out)
     console.print(f"wrote {n} cases to {path}")
 
 

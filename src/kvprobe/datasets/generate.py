@@ -12,6 +12,7 @@ import re
 from collections.abc import Sequence
 
 from kvprobe.datasets.domains import CONTROL_FIELDS, DOMAINS, OPTIONS, DecisionField, DomainSpec
+from kvprobe.datasets.layouts import FIELD_STYLES, LAYOUT_WORDS, LAYOUTS, label
 from kvprobe.datasets.render import SCAFFOLD, render_body
 from kvprobe.datasets.schema import POSITIONS, Demo, EditCase
 from kvprobe.datasets.words import words
@@ -22,6 +23,10 @@ ERRATUM = (
 )
 SHORT_ERRATUM = "[STATE UPDATE] {field} -> {value}; overrides any earlier value."
 ERRATUM_TEMPLATES = {"paper": ERRATUM, "short": SHORT_ERRATUM}  # the names a spec or a config may use
+# rule_style "deny": the rule names the values that deny instead of those that allow.
+DENY_RULE = "Answer {no} if {field} is {denied}; otherwise answer {yes}."
+RULE_STYLES = ("allow", "deny")
+MAX_FILLER_TOKENS = 4096
 
 
 def erratum_text(field: str, value: str, template: str | None = None) -> str:
@@ -46,8 +51,16 @@ def draw_case(
     positions: Sequence[str],
     system: bool,
     cot: bool,
+    layout: str = "record",
+    field_style: str = "key",
+    rule_style: str = "allow",
+    filler_tokens: int | None = None,
 ) -> EditCase:
-    """One case of ``spec``; ``allow_first``: the old (or, for a control, the fixed) value allows."""
+    """One case of ``spec``; ``allow_first``: the old (or, for a control, the fixed) value allows.
+
+    With ``filler_tokens``, the field comes first (``field_position`` "early") and filler sentences
+    of about that many word-level tokens follow it (see :func:`downstream_fillers`).
+    """
     template = rng.choice(spec.templates)
     gate = rng.choice(decision)
     first, second = (gate.allow, gate.deny) if allow_first else (gate.deny, gate.allow)
@@ -66,6 +79,15 @@ def draw_case(
     key, pool = rng.choice(spec.record)
     record.append((key, rng.choice(pool)))
     rng.shuffle(record)
+    name = label(gate.name, field_style)
+    if rule_style == "deny":
+        rule = DENY_RULE.format(no=OPTIONS[1], yes=OPTIONS[0], field=name, denied=" or ".join(gate.deny))
+    else:
+        rule = template.rule.format(field=name, allowed=" or ".join(gate.allow))
+    if filler_tokens is None:
+        chosen, position = rng.sample(spec.fillers, rng.randint(*fillers)), rng.choice(positions)
+    else:
+        chosen, position = downstream_fillers(rng, spec, filler_tokens), "early"
     return EditCase(
         case_id=case_id,
         domain=spec.name,
@@ -74,9 +96,9 @@ def draw_case(
         new_value=new,
         control=control,
         system=template.system if system else None,
-        rule=template.rule.format(field=gate.name, allowed=" or ".join(gate.allow)),
-        fillers=rng.sample(spec.fillers, rng.randint(*fillers)),
-        field_position=rng.choice(positions),
+        rule=rule,
+        fillers=chosen,
+        field_position=position,
         context=rng.sample(spec.context, rng.randint(1, 2)),
         record=record,
         question=template.question,
@@ -85,12 +107,31 @@ def draw_case(
         expected_new=expected_new,
         template_id=template.id,
         cot=cot,
+        layout=layout,
+        field_style=field_style,
     )
+
+
+def downstream_fillers(rng: random.Random, spec: DomainSpec, tokens: int) -> list[str]:
+    """Filler sentences of about ``tokens`` word-level tokens (0: none): the domain's own in a seeded
+    order, then the other domains' (every filler is neutral to every decision), round after round."""
+    others = [f for name, other in DOMAINS.items() if name != spec.name for f in other.fillers]
+    out: list[str] = []
+    budget = tokens
+    while budget > 0:
+        pool = rng.sample(spec.fillers, len(spec.fillers)) + rng.sample(others, len(others))
+        for line in pool:
+            if budget <= 0:
+                break
+            out.append(line)
+            budget -= len(words(line))
+    return out
 
 
 def _check_args(
     n: int, domains: Sequence[str], fields: Sequence[str] | None, controls: float,
     fillers: tuple[int, int], positions: Sequence[str], few_shot: int,
+    layout: str = "record", field_style: str = "key", rule_style: str = "allow", filler_tokens: int | None = None,
 ) -> None:  # fmt: skip
     if n < 0:
         raise UsageError(f"n must be >= 0, got {n}")
@@ -113,6 +154,12 @@ def _check_args(
         raise UsageError(f"unknown field positions {bad or '(none given)'}; use some of {', '.join(POSITIONS)}")
     if few_shot < 0:
         raise UsageError(f"few_shot must be >= 0, got {few_shot}")
+    for what, value, accepted in (("layout", layout, LAYOUTS), ("field style", field_style, FIELD_STYLES),
+                                  ("rule style", rule_style, RULE_STYLES)):
+        if value not in accepted:
+            raise UsageError(f"unknown {what} {value!r}; use one of {', '.join(accepted)}")
+    if filler_tokens is not None and not 0 <= filler_tokens <= MAX_FILLER_TOKENS:
+        raise UsageError(f"filler tokens must be between 0 and {MAX_FILLER_TOKENS}, got {filler_tokens}")
 
 
 def generate(
@@ -126,8 +173,16 @@ def generate(
     few_shot: int = 0,
     cot: bool = False,
     system: bool = True,
+    layout: str = "record",
+    field_style: str = "key",
+    rule_style: str = "allow",
+    filler_tokens: int | None = None,
 ) -> list[EditCase]:
     """``n`` cases, a fraction ``controls`` of them negative controls (rounded).
+
+    ``layout``, ``field_style``, ``rule_style`` (the rule names the allowing or the denying values)
+    and ``filler_tokens`` (about that much filler after the field, the field first) are the
+    layout knobs (:mod:`kvprobe.datasets.layouts`); the defaults give today's record cases.
 
     ``fields`` limits which fields are edited (decision fields and/or control fields); a control
     case still gates on one of its domain's decision fields, held fixed in ``record``.
@@ -135,7 +190,8 @@ def generate(
     """
     names = list(domains) if domains is not None else list(DOMAINS)
     fillers = tuple(fillers)  # type: ignore[assignment]
-    _check_args(n, names, fields, controls, fillers, positions, few_shot)
+    _check_args(n, names, fields, controls, fillers, positions, few_shot, layout, field_style, rule_style,
+                filler_tokens)
     rng = random.Random(seed)
     n_control = round(n * controls)
     flags = [True] * n_control + [False] * (n - n_control)
@@ -159,7 +215,8 @@ def generate(
         allow_first[i] = seen[slots[i][1]] % 2 == 0
         seen[slots[i][1]] += 1
 
-    common = {"fillers": fillers, "positions": positions, "system": system}
+    common = {"fillers": fillers, "positions": positions, "system": system, "layout": layout,
+              "field_style": field_style, "rule_style": rule_style, "filler_tokens": filler_tokens}
     cases = []
     for i, (name, control) in enumerate(slots):
         spec = DOMAINS[name]
@@ -187,9 +244,13 @@ def _demos(rng: random.Random, domain: str, k: int, common: dict) -> list[Demo]:
     return demos
 
 
-def vocabulary() -> list[str]:
-    """Every token the generator, the renderer (raw form) and the errata can emit; sorted."""
+def vocabulary(layouts: bool = False) -> list[str]:
+    """Every token the generator, the renderer (raw form, record layout) and the errata can emit;
+    sorted. Tiny and toy models are built on it. ``layouts``: also the other layouts' words and
+    the field names in words (a toy maps these to ``[UNK]``)."""
     texts: list[str] = ["\n", *SCAFFOLD, *OPTIONS, ERRATUM, SHORT_ERRATUM]
+    if layouts:
+        texts += [*LAYOUT_WORDS, DENY_RULE, *DOMAINS]  # tool_spec names its tool after the domain
     for name, pool in CONTROL_FIELDS.items():
         texts += [name, *pool]
     for spec in DOMAINS.values():
@@ -202,4 +263,8 @@ def vocabulary() -> list[str]:
         for key, pool in spec.record:
             texts += [key, *pool]
     texts = [re.sub(r"\{\w+\}", " ", text) for text in texts]  # drop format placeholders
+    if layouts:  # keys in words, capitalised where a line starts with them
+        keys = [w for text in texts for w in words(text) if "_" in w]
+        texts += [label(k, "words") for k in keys] + [label(k, "words").capitalize() for k in keys]
+        texts += [t.capitalize() for t in texts if t[:1].islower()]  # "The item is ..." and keys leading a line
     return sorted({w for text in texts for w in words(text)})

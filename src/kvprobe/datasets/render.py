@@ -1,6 +1,7 @@
 """Turn an :class:`EditCase` into prompt text, with the field value at a known character span.
 
-Body layout (sections joined by a blank line, lines by a newline)::
+The body follows ``case.layout`` (:mod:`kvprobe.datasets.layouts`). The default, ``record``
+(sections joined by a blank line, lines by a newline)::
 
     {system}                       # only when the system line is rendered into the body
     ## Policy
@@ -15,7 +16,8 @@ Body layout (sections joined by a blank line, lines by a newline)::
     ## Request
     {question} Answer {a} or {b}.[ Think step by step, then give the answer.]
 
-``field_position`` thus moves the field line and how much filler lies downstream of it. The
+``field_position`` thus moves the field line and how much filler lies downstream of it (in every
+layout). The
 section marks, newlines and punctuation downstream of the field are kept on purpose: they are
 the "aggregator" positions where the model writes its notes about the field.
 
@@ -33,6 +35,19 @@ from typing import TYPE_CHECKING, Literal
 
 from jinja2 import TemplateError
 
+from kvprobe.datasets.layouts import (
+    BULLET,
+    CONTEXT,
+    LAYOUTS,
+    NOTES,
+    POLICY,
+    RECORD,
+    REQUEST,
+    Parts,
+    Turn,
+    as_text,
+    label,
+)
 from kvprobe.datasets.schema import EditCase
 from kvprobe.defaults import FORMS
 from kvprobe.errors import KvprobeError, UsageError
@@ -42,17 +57,13 @@ if TYPE_CHECKING:
 
 Form = Literal["chat", "raw"]
 
-POLICY = "## Policy"
-RECORD = "## Record"
-CONTEXT = "## Context"
-NOTES = "## Notes"
-REQUEST = "## Request"
-BULLET = "- "
 ANSWER_CUE = "Answer:"
 ANSWER_WITH = "Answer {a} or {b}."
 COT_LINE = "Think step by step, then give the answer."
 # Every fixed string the renderer emits (the generator's vocabulary includes them).
 SCAFFOLD = (POLICY, RECORD, CONTEXT, NOTES, REQUEST, BULLET, ANSWER_CUE, ANSWER_WITH, COT_LINE)
+
+ERRATUM_AT = ("question", "turn")  # where an erratum goes: before the question, or a new turn after the prompt
 
 # Stands in for the field value while rendering, to find its offset after any chat template.
 SENTINEL = "@@KVPROBE_FIELD_VALUE@@"
@@ -80,30 +91,48 @@ def question_text(case: EditCase) -> str:
     return f"{text} {COT_LINE}" if case.cot else text
 
 
-def render_body(case: EditCase, value: str, *, system: bool = True, erratum: str | None = None) -> str:
-    """The user-visible text with ``value`` in the field line (see the module docstring).
+def field_label(case: EditCase) -> str:
+    """The edited field as the prompt (and an erratum) names it, under ``case.field_style``."""
+    return label(case.field, case.field_style)
 
-    ``erratum`` (a correction line, see :func:`kvprobe.datasets.erratum_text`) is placed as its own
-    paragraph just before ``## Request``, so everything before it is the unchanged old prompt.
-    """
-    if case.prompt is not None:
-        return _free_body(case, value, system, erratum)
+
+def parts(case: EditCase, value: str, erratum: str | None = None) -> Parts:
+    """A structured case's parts, with ``value`` in the field line, for its layout."""
     cut = _split_at(len(case.fillers), case.field_position)
-    record = [f"{key}: {val}" for key, val in case.record]
-    record.insert(_split_at(len(record), case.field_position), f"{case.field}: {value}")
+    record = [(label(key, case.field_style), val) for key, val in case.record]
+    record.insert(_split_at(len(record), case.field_position), (field_label(case), value))
+    return Parts(domain=case.domain, rule=case.rule, before=list(case.fillers[:cut]), record=record,
+                 context=list(case.context), after=list(case.fillers[cut:]), erratum=erratum,
+                 question=question_text(case), words=case.field_style == "words")
 
-    sections = [
-        [POLICY, case.rule, *(BULLET + f for f in case.fillers[:cut])],
-        [RECORD, *record],
-    ]
-    if case.context:
-        sections.append([CONTEXT, *case.context])
-    if case.fillers[cut:]:
-        sections.append([NOTES, *(BULLET + f for f in case.fillers[cut:])])
-    if erratum:
-        sections.append([erratum])
-    sections.append([REQUEST, question_text(case)])
-    body = "\n\n".join("\n".join(lines) for lines in sections)
+
+def render_turns(case: EditCase, value: str, *, erratum: str | None = None, erratum_at: str = "question"
+                 ) -> list[Turn]:
+    """The user-visible turns with ``value`` in the field line (the system line apart).
+
+    ``erratum`` (a correction line, see :func:`kvprobe.datasets.erratum_text`) goes where
+    ``erratum_at`` says: ``"question"``, its own paragraph just before the question (everything
+    before it is the unchanged old prompt), or ``"turn"``, a new user turn after the whole old
+    prompt that states the erratum and asks again (the serving case: the cached prompt stays
+    byte-identical).
+    """
+    if erratum_at not in ERRATUM_AT:
+        raise UsageError(f"unknown erratum placement {erratum_at!r}; use one of {', '.join(ERRATUM_AT)}")
+    inline = erratum if erratum_at == "question" else None
+    if case.prompt is not None:
+        turns = [("user", _free_body(case, value, False, inline))]
+    else:
+        turns = LAYOUTS[case.layout](parts(case, value, inline))
+    if erratum and erratum_at == "turn":
+        turns.append(("user", f"{erratum}\n{question_text(case)}"))
+    return turns
+
+
+def render_body(case: EditCase, value: str, *, system: bool = True, erratum: str | None = None,
+                erratum_at: str = "question") -> str:
+    """The user-visible text with ``value`` in the field line, as one body (see
+    :mod:`kvprobe.datasets.layouts`; a conversation becomes ``User:``/``Assistant:`` paragraphs)."""
+    body = as_text(render_turns(case, value, erratum=erratum, erratum_at=erratum_at))
     return f"{case.system}\n\n{body}" if system and case.system else body
 
 
@@ -140,17 +169,23 @@ def resolve_form(tokenizer: PreTrainedTokenizerBase | None, form: str) -> Form:
     return form  # type: ignore[return-value]
 
 
-def _raw(case: EditCase, value: str, erratum: str | None = None) -> str:
+def _raw(case: EditCase, value: str, erratum: str | None = None, erratum_at: str = "question") -> str:
     head = f"{case.system}\n\n" if case.system else ""
     demos = "".join(f"{d.body}\n{ANSWER_CUE} {d.answer}\n\n" for d in case.few_shot)
-    return f"{head}{demos}{render_body(case, value, system=False, erratum=erratum)}\n{ANSWER_CUE}"
+    turns = render_turns(case, value, erratum=erratum, erratum_at=erratum_at)
+    if erratum and erratum_at == "turn":  # the old prompt, answer cue included, then the new turn
+        old = as_text(turns[:-1])
+        return f"{head}{demos}{old}\n{ANSWER_CUE}\n\n{turns[-1][1]}\n{ANSWER_CUE}"
+    return f"{head}{demos}{as_text(turns)}\n{ANSWER_CUE}"
 
 
-def _chat(case: EditCase, tokenizer: PreTrainedTokenizerBase, value: str, erratum: str | None = None) -> str:
+def _chat(case: EditCase, tokenizer: PreTrainedTokenizerBase, value: str, erratum: str | None = None,
+          erratum_at: str = "question") -> str:
     turns: list[dict[str, str]] = []
     for demo in case.few_shot:
         turns += [{"role": "user", "content": demo.body}, {"role": "assistant", "content": demo.answer}]
-    turns.append({"role": "user", "content": render_body(case, value, system=False, erratum=erratum)})
+    turns += [{"role": role, "content": text}
+              for role, text in render_turns(case, value, erratum=erratum, erratum_at=erratum_at)]
 
     def apply(messages: list[dict[str, str]]) -> str:
         # enable_thinking only matters to templates that read it (Qwen3): no thinking block unless CoT.
@@ -173,14 +208,16 @@ def _chat(case: EditCase, tokenizer: PreTrainedTokenizerBase, value: str, erratu
 
 def render_prompt(
     case: EditCase, tokenizer: PreTrainedTokenizerBase | None, value: str, form: str = "auto",
-    erratum: str | None = None,
+    erratum: str | None = None, erratum_at: str = "question",
 ) -> str:
     """The full prompt with ``value`` in the field line (``tokenizer`` may be None for ``"raw"``).
 
-    With ``erratum``, the correction paragraph sits just before the request (see :func:`render_body`).
+    With ``erratum``, the correction sits where ``erratum_at`` says (see :func:`render_turns`).
     """
     resolved = resolve_form(tokenizer, form)
-    return _raw(case, value, erratum) if resolved == "raw" else _chat(case, tokenizer, value, erratum)
+    if resolved == "raw":
+        return _raw(case, value, erratum, erratum_at)
+    return _chat(case, tokenizer, value, erratum, erratum_at)
 
 
 def render_pair(case: EditCase, tokenizer: PreTrainedTokenizerBase | None, form: str = "auto") -> RenderedPrompt:

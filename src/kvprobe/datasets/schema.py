@@ -9,6 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvprobe.datasets.layouts import FieldStyle, Layout
+
 Position = Literal["early", "middle", "late"]
 POSITIONS: tuple[Position, ...] = ("early", "middle", "late")
 
@@ -60,6 +62,8 @@ class EditCase(BaseModel):
     template_id: str = "user"
     few_shot: list[Demo] = []
     cot: bool = False
+    layout: Layout = "record"  # how the structured parts are laid out (kvprobe.datasets.layouts)
+    field_style: FieldStyle = "key"  # record keys as written ("order_status") or in words ("order status")
 
     @model_validator(mode="after")
     def _consistent(self) -> EditCase:
@@ -79,6 +83,9 @@ class EditCase(BaseModel):
             raise ValueError("a control case must keep its answer (expected_old == expected_new)")
         if not self.control and self.expected_old == self.expected_new:
             raise ValueError("a non-control case must flip its answer (expected_old != expected_new)")
+        if self.prompt is not None and (self.layout != "record" or self.field_style != "key"):
+            raise ValueError("a free-form case (with 'prompt') has its own layout: leave 'layout' and 'field_style' "
+                             "at their defaults")
         if any(key == self.field for key, _ in self.record):
             raise ValueError(f"record must not repeat the edited field {self.field!r}")
         return self

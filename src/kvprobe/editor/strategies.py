@@ -10,6 +10,8 @@ and returns an :class:`Edited` state. The strategies (the paper's, plus controls
                      check layer (the CacheBlend baseline; the check-layer pass is counted)
     erratum          keep the old cache, append a correction line and re-ask
     field_erratum    field_only, then the erratum
+    erratum_turn     the erratum as a new turn after the whole old prompt (the serving case)
+    field_erratum_turn  field_only, then the erratum as a new turn
     hoist            the prompt rewritten with the field moved late: recompute from the field on
                      (needs a rewritten prompt: reported as such)
     oracle           full re-prefill of the new prompt
@@ -32,6 +34,7 @@ import torch
 from transformers import DynamicCache
 
 from kvprobe.datasets import ERRATUM_TEMPLATES, Skip, align, erratum_text, render_prompt
+from kvprobe.datasets.render import field_label
 from kvprobe.datasets.spans import prompt_ids
 from kvprobe.editor.context import EditContext
 from kvprobe.editor.rankings import RANKINGS, rank_downstream
@@ -153,19 +156,20 @@ def _selected(ctx: EditContext, downstream: list[int]) -> Edited:
     return Edited(cache, [ctx.a.ids_new[ctx.D]], len(positions), ctx.D + 1)
 
 
-def _erratum_ids(lm, a, template: str, value_in_prompt: str) -> list[int]:
-    """The token ids of the prompt with the erratum line, its length checked against the window."""
+def _erratum_ids(lm, a, template: str, value_in_prompt: str, at: str = "question") -> list[int]:
+    """The token ids of the prompt with the erratum line where ``at`` says (before the question, or
+    a new turn after the old prompt), its length checked against the window."""
     text = render_prompt(a.case, lm.tokenizer, value_in_prompt, a.form,
-                         erratum=erratum_text(a.case.field, a.case.new_value, template))
+                         erratum=erratum_text(field_label(a.case), a.case.new_value, template), erratum_at=at)
     ids = prompt_ids(lm.tokenizer, text, a.form)
     lm.check_length(len(ids), f"case {a.case.case_id} with its erratum")
     return ids
 
 
 def _with_erratum(ctx: EditContext, template: str, base: DynamicCache, base_ids: list[int], value_in_prompt: str,
-                  extra_recomputed: int) -> Edited:
+                  extra_recomputed: int, at: str = "question") -> Edited:
     """Keep the longest prefix of ``base`` the erratum prompt shares, feed the rest."""
-    ids = _erratum_ids(ctx.lm, ctx.a, template, value_in_prompt)
+    ids = _erratum_ids(ctx.lm, ctx.a, template, value_in_prompt, at)
     # Tokenizers can merge across the insertion point: reuse only the identical prefix.
     shared = next((i for i, (x, y) in enumerate(zip(ids, base_ids[: ctx.D])) if x != y), min(len(ids), ctx.D))
     cache = kvcache.crop(base, shared)
@@ -264,6 +268,7 @@ class Erratum(Strategy):
     """
 
     template: str = arg("paper|short", default="paper")
+    at: ClassVar[str] = "question"  # where the line goes (kvprobe.datasets.render.ERRATUM_AT)
 
     def __post_init__(self):
         named = {text: name for name, text in ERRATUM_TEMPLATES.items()}
@@ -275,10 +280,10 @@ class Erratum(Strategy):
         return ERRATUM_TEMPLATES.get(self.template, self.template)
 
     def check(self, lm, a) -> None:
-        _erratum_ids(lm, a, self.text, a.case.old_value)
+        _erratum_ids(lm, a, self.text, a.case.old_value, self.at)
 
     def apply(self, ctx: EditContext) -> Edited:
-        return _with_erratum(ctx, self.text, ctx.old_cache, ctx.a.ids_old, ctx.a.case.old_value, 0)
+        return _with_erratum(ctx, self.text, ctx.old_cache, ctx.a.ids_old, ctx.a.case.old_value, 0, self.at)
 
 
 @register("field_erratum")
@@ -287,12 +292,29 @@ class FieldErratum(Erratum):
     """field_only, then the erratum."""
 
     def check(self, lm, a) -> None:
-        _erratum_ids(lm, a, self.text, a.case.new_value)
+        _erratum_ids(lm, a, self.text, a.case.new_value, self.at)
 
     def apply(self, ctx: EditContext) -> Edited:
         fixed = _selected(ctx, [])
         return _with_erratum(ctx, self.text, fixed.cache, ctx.a.ids_new, ctx.a.case.new_value,
-                             ctx.a.field[1] - ctx.a.field[0])
+                             ctx.a.field[1] - ctx.a.field[0], self.at)
+
+
+@register("erratum_turn")
+@dataclass(frozen=True)
+class ErratumTurn(Erratum):
+    """The erratum as a new user turn after the whole old prompt, asking again (the serving case:
+    the cached prompt stays byte-identical and only the new turn is fed)."""
+
+    at: ClassVar[str] = "turn"
+
+
+@register("field_erratum_turn")
+@dataclass(frozen=True)
+class FieldErratumTurn(FieldErratum):
+    """field_only, then the erratum as a new turn after the old prompt."""
+
+    at: ClassVar[str] = "turn"
 
 
 @register("hoist")
