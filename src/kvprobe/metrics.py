@@ -11,6 +11,8 @@ Per case, with m = score(new answer) - score(old answer) at the decision token:
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 import torch
@@ -42,6 +44,16 @@ def bootstrap_ci(values, n_boot: int = N_BOOT, seed: int = 0, alpha: float = 0.0
     rng = np.random.default_rng(seed)
     means = x[rng.integers(0, len(x), (n_boot, len(x)))].mean(1)
     return float(np.quantile(means, alpha / 2)), float(np.quantile(means, 1 - alpha / 2))
+
+
+def wilson_ci(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score 95% interval of a proportion ``p`` of ``n`` trials; (nan, nan) without trials."""
+    if not n or p is None or not math.isfinite(p):
+        return float("nan"), float("nan")
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return max(0.0, mid - half), min(1.0, mid + half)
 
 
 def mean_ci(values) -> tuple[float, float, float, int]:

@@ -190,7 +190,7 @@ def settled(previous: dict) -> dict | None:
         return None
 
 
-def _versions() -> dict:
+def package_versions() -> dict:
     import importlib.metadata as md
 
     out = {"python": platform.python_version()}
@@ -430,7 +430,7 @@ def write_manifest(cfg: RunConfig, lm, sel: Selection, compose_summary: list[dic
     manifest = {
         "kvprobe_run": 1, "config": cfg.model_dump(), "model": lm.fingerprint(), "model_info": lm.info.as_dict(),
         "n_layers": lm.adapter.n_layers, "n_heads": lm.adapter.n_heads, "n_kv_heads": lm.adapter.n_kv_heads,
-        "versions": _versions(), "seed": cfg.seed,
+        "versions": package_versions(), "seed": cfg.seed,
         "counts": {"cases": len(sel.cases), "aligned": len(sel.aligned), "probed_decision": len(sel.valid_ids),
                    "valid_decision": int((validity.valid & ~validity.control).sum()),
                    "valid_control": sel.n_valid_controls, "edited_controls": len(sel.control_ids),

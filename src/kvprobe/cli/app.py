@@ -21,6 +21,7 @@ from kvprobe.cli.models import models_app
 from kvprobe.cli.report import report
 from kvprobe.cli.run import export_topk, run
 from kvprobe.cli.serve import serve_app, serve_bench
+from kvprobe.cli.sweep import sweep
 from kvprobe.cli.toy import toy_app
 from kvprobe.cli.validate import validate
 from kvprobe.errors import EXIT_CODES, KvprobeError
@@ -42,6 +43,7 @@ app.add_typer(datasets_app, name="datasets")
 app.add_typer(toy_app, name="toy")
 app.command("run")(run)
 app.command("edit")(edit)
+app.command("sweep")(sweep)
 app.command("strategies")(strategies)
 app.command("validate")(validate)
 app.command("export-topk")(export_topk)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from markupsafe import Markup, escape
 
-from kvprobe.metrics import mean_ci
+from kvprobe.metrics import mean_ci, wilson_ci
 
 MIN_N = 10
 MAX_CI_WIDTH = 0.5
@@ -47,10 +47,7 @@ class Stat:
         """A proportion ``p`` of ``n`` trials with the Wilson score interval."""
         if not n or p is None or not math.isfinite(p):
             return cls(float("nan"), float("nan"), float("nan"), int(n or 0))
-        den = 1 + z * z / n
-        mid = (p + z * z / (2 * n)) / den
-        half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-        return cls(float(p), max(0.0, mid - half), min(1.0, mid + half), int(n))
+        return cls(float(p), *wilson_ci(p, n, z), int(n))
 
     @property
     def caveat(self) -> str | None:

@@ -1,0 +1,1 @@
+"""Layouts and distances as an experimental axis: ``kvprobe sweep`` (grid, measurement, summary)."""

@@ -1,0 +1,186 @@
+"""``kvprobe sweep``: a grid of prompt layouts x downstream lengths (x any layout knob) for one model.
+
+Each cell generates its own cases (same seed, same domains, only the layout knobs differ), aligns
+them, and measures them one by one (:func:`kvprobe.sweep.measure.measure_case`) until it has
+``valid`` valid decision cases or has screened ``n``. Cases go in a fixed order, so a rerun takes
+the same ones. Resumable: each finished case is a part under ``parts/<cell>/``; a finished cell is
+recorded in the manifest and not rerun. Outputs::
+
+    sweep_config.json     the settings (a folder with other settings is refused)
+    sweep.parquet         one row per cell x case x measure (the cell's knobs + kvprobe.sweep.measure.COLUMNS)
+    sweep_summary.parquet one row per cell x measure, with 95% CIs (kvprobe.sweep.summary)
+    sweep_manifest.json   model fingerprint, versions, per-cell counts and seconds, verdicts, total time
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kvprobe.datasets import Skip, align, generate
+from kvprobe.datasets.generate import MAX_FILLER_TOKENS, RULE_STYLES
+from kvprobe.datasets.layouts import FIELD_STYLES, LAYOUTS
+from kvprobe.defaults import DEFAULT_FORM, DEFAULT_MIN_FLIP, FORMS
+from kvprobe.editor.strategies import parse_strategy
+from kvprobe.errors import CheckFailed
+from kvprobe.pipeline import package_versions
+from kvprobe.results import (
+    SWEEP,
+    SWEEP_CLAIM,
+    SWEEP_MANIFEST,
+    SWEEP_SUMMARY,
+    CaseStore,
+    atomic_write_json,
+    atomic_write_parquet,
+    claim_folder,
+)
+from kvprobe.sweep.measure import measure_case
+from kvprobe.sweep.summary import CELL_KEYS, RULE, cell_verdicts, layout_verdicts, summarize
+
+DEFAULT_LAYOUTS = ("record", "lines", "json")
+DEFAULT_FILLER_TOKENS = (0, 100, 300)
+SWEEP_STRATEGIES = ("stale", "field_only", "erratum", "erratum_turn", "field_erratum", "field_erratum_turn",
+                    "cacheblend:0.15", "oracle")
+
+
+class SweepConfig(BaseModel):
+    """Everything that defines a sweep (unknown keys are errors)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    layouts: list[str] = list(DEFAULT_LAYOUTS)
+    filler_tokens: list[int] = list(DEFAULT_FILLER_TOKENS)
+    field_styles: list[str] = ["key"]
+    rule_styles: list[str] = ["allow"]
+    n: int = Field(40, ge=1)  # cases screened per cell at most
+    valid: int | None = Field(None, ge=1)  # stop a cell once it has this many valid decision cases
+    seed: int = 0
+    controls: float = Field(0.0, ge=0, le=1)
+    form: str = DEFAULT_FORM
+    strategies: list[str] = list(SWEEP_STRATEGIES)
+    min_flip: float = Field(DEFAULT_MIN_FLIP, ge=0)
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    @field_validator("layouts", "field_styles", "rule_styles")
+    @classmethod
+    def _known(cls, v: list[str], info) -> list[str]:
+        accepted = {"layouts": LAYOUTS, "field_styles": FIELD_STYLES, "rule_styles": RULE_STYLES}[info.field_name]
+        bad = [x for x in v if x not in accepted]
+        if bad or not v:
+            raise ValueError(f"unknown {info.field_name} {bad or '(none given)'}; accepted: {', '.join(accepted)}")
+        return list(dict.fromkeys(v))
+
+    @field_validator("filler_tokens")
+    @classmethod
+    def _lengths(cls, v: list[int]) -> list[int]:
+        if not v or min(v) < 0 or max(v) > MAX_FILLER_TOKENS:
+            raise ValueError(f"filler_tokens must be a non-empty list of lengths in [0, {MAX_FILLER_TOKENS}], got {v}")
+        return sorted(set(v))
+
+    @field_validator("form")
+    @classmethod
+    def _form(cls, v: str) -> str:
+        if v not in FORMS:
+            raise ValueError(f"unknown prompt form {v!r}; accepted: {', '.join(FORMS)}")
+        return v
+
+    @field_validator("strategies")
+    @classmethod
+    def _strategies(cls, v: list[str]) -> list[str]:
+        return [parse_strategy(s).label for s in v]
+
+    def cells(self) -> list[dict]:
+        """The grid, layout-major: one dict of knobs (and its id) per cell."""
+        out = []
+        for layout, tokens, style, rule in itertools.product(self.layouts, self.filler_tokens, self.field_styles,
+                                                             self.rule_styles):
+            out.append({"cell": f"{layout}.f{tokens}.{style}.{rule}", "layout": layout, "filler_tokens": tokens,
+                        "field_style": style, "rule_style": rule})
+        return out
+
+
+def cell_cases(cfg: SweepConfig, cell: dict) -> list:
+    """The cases of one cell, generated with the cell's knobs (ids carry the cell)."""
+    cases = generate(cfg.n, seed=cfg.seed, controls=cfg.controls, layout=cell["layout"],
+                     filler_tokens=cell["filler_tokens"], field_style=cell["field_style"],
+                     rule_style=cell["rule_style"])
+    return [c.model_copy(update={"case_id": f"{cell['cell']}.{c.case_id}"}) for c in cases]
+
+
+def run_sweep(cfg: SweepConfig, lm, out: Path | str, progress: Callable[[str, int], Callable[[], None]] | None = None
+              ) -> dict:
+    """Every cell of ``cfg`` into ``out`` (resuming finished parts and cells); returns the manifest."""
+    out = Path(out)
+    progress = progress or (lambda name, total: (lambda: None))
+    strategies = [parse_strategy(s) for s in cfg.strategies]
+    cells = cfg.cells()
+    prepared = []
+    for cell in cells:  # every input checked before the folder is claimed or any forward pass runs
+        aligned, skipped = [], []
+        for case in cell_cases(cfg, cell):
+            a = align(case, lm.tokenizer, cfg.form)
+            (skipped if isinstance(a, Skip) else aligned).append(a)
+        for a in aligned:
+            lm.check_length(max(len(a.ids_old), len(a.ids_new)), f"case {a.case.case_id}")
+        prepared.append((cell, aligned, skipped))
+    out.mkdir(parents=True, exist_ok=True)
+    claim_folder(out, SWEEP_CLAIM, cfg.model_dump(), held="sweep with other settings")
+    frames, record = [], {}
+    t_start = time.perf_counter()
+    for cell, aligned, skipped in prepared:
+        store = CaseStore(out, f"cells/{cell['cell']}")
+        tick = progress(cell["cell"], cfg.valid or len(aligned))
+        rows, n_valid, resumed = [], 0, 0
+        for a in aligned:
+            if cfg.valid is not None and n_valid >= cfg.valid:
+                break
+            key = a.case.case_id
+            if store.done(key):
+                df = store.load(key)
+                resumed += 1
+            else:
+                df = measure_case(lm, a, strategies, cfg.min_flip)
+                store.save(key, df)
+            rows.append(df)
+            is_valid = bool(df.valid.iloc[0]) and not bool(df.control.iloc[0])
+            n_valid += is_valid
+            if cfg.valid is None or is_valid:
+                tick()
+        table = pd.concat(rows, ignore_index=True) if rows else pd.DataFrame()
+        if len(table):
+            knobs = list(CELL_KEYS)
+            table = table.assign(**{k: cell[k] for k in knobs})[knobs + [c for c in table if c not in knobs]]
+        frames.append(table)
+        cases = table.drop_duplicates("case_id") if len(table) else table
+        record[cell["cell"]] = {
+            **{k: cell[k] for k in ("layout", "filler_tokens", "field_style", "rule_style")},
+            "screened": len(cases), "resumed": resumed, "aligned": len(aligned), "skipped": len(skipped),
+            "valid_decision": n_valid, "reached_valid": cfg.valid is None or n_valid >= cfg.valid,
+            "wall_s": round(float(cases.case_s.sum()), 1) if len(cases) else 0.0,  # summed from the parts: resume-proof
+            "skip_reasons": pd.Series([s.reason.split(":")[0] for s in skipped]).value_counts().to_dict(),
+        }
+    rows = pd.concat([f for f in frames if len(f)], ignore_index=True) if any(len(f) for f in frames) else None
+    if rows is None:
+        raise CheckFailed(f"no case of the sweep aligned under {cfg.model}'s tokenizer; see the skip reasons")
+    rows.insert(0, "model", cfg.model)
+    atomic_write_parquet(rows, out / SWEEP)
+    summary = summarize(rows)
+    atomic_write_parquet(summary, out / SWEEP_SUMMARY)
+    verdicts = cell_verdicts(summary)
+    manifest = {
+        "kvprobe_sweep": 1, "config": cfg.model_dump(), "model": lm.fingerprint(), "model_info": lm.info.as_dict(),
+        "versions": package_versions(),
+        "cells": record, "cell_verdicts": dict(zip(verdicts.cell, verdicts.verdict)),
+        "layout_verdicts": layout_verdicts(verdicts), "verdict_rule": RULE,
+        "wall_s": {"cells": round(sum(c["wall_s"] for c in record.values()), 1),
+                   "this_invocation": round(time.perf_counter() - t_start, 1)},
+    }
+    atomic_write_json(manifest, out / SWEEP_MANIFEST)
+    return manifest
