@@ -17,9 +17,8 @@ The body follows ``case.layout`` (:mod:`kvprobe.datasets.layouts`). The default,
     {question} Answer {a} or {b}.[ Think step by step, then give the answer.]
 
 ``field_position`` thus moves the field line and how much filler lies downstream of it (in every
-layout). The
-section marks, newlines and punctuation downstream of the field are kept on purpose: they are
-the "aggregator" positions where the model writes its notes about the field.
+layout). The section marks, newlines and punctuation downstream of the field are kept on purpose:
+they are the "aggregator" positions where the model writes its notes about the field.
 
 Forms: ``"chat"`` applies the tokenizer's chat template (system message, few-shot demos as
 earlier user/assistant turns, generation prompt added); ``"raw"`` is plain text ending in
@@ -120,7 +119,7 @@ def render_turns(case: EditCase, value: str, *, erratum: str | None = None, erra
         raise UsageError(f"unknown erratum placement {erratum_at!r}; use one of {', '.join(ERRATUM_AT)}")
     inline = erratum if erratum_at == "question" else None
     if case.prompt is not None:
-        turns = [("user", _free_body(case, value, False, inline))]
+        turns = [("user", _free_body(case, value, inline))]
     else:
         turns = LAYOUTS[case.layout](parts(case, value, inline))
     if erratum and erratum_at == "turn":
@@ -140,10 +139,10 @@ def check_text(case: EditCase) -> None:
     """Refuse, before any tokenizer or model work, a free-form case whose prompt does not hold its
     old value exactly once (a generated case always does)."""
     if case.prompt is not None:
-        _free_body(case, case.new_value, False, None)
+        _free_body(case, case.new_value, None)
 
 
-def _free_body(case: EditCase, value: str, system: bool, erratum: str | None) -> str:
+def _free_body(case: EditCase, value: str, erratum: str | None) -> str:
     """A user's free-form body with ``value`` in place of its single ``old_value`` occurrence."""
     hits = [m.start() for m in re.finditer(rf"(?<!\w){re.escape(case.old_value)}(?!\w)", case.prompt)]
     if len(hits) != 1:
@@ -152,8 +151,7 @@ def _free_body(case: EditCase, value: str, system: bool, erratum: str | None) ->
     i = hits[0]
     body = case.prompt[:i] + value + case.prompt[i + len(case.old_value):]
     paragraphs = [body.rstrip(), *([erratum] if erratum else []), f"{REQUEST}\n{question_text(case)}"]
-    text = "\n\n".join(paragraphs)
-    return f"{case.system}\n\n{text}" if system and case.system else text
+    return "\n\n".join(paragraphs)
 
 
 def resolve_form(tokenizer: PreTrainedTokenizerBase | None, form: str) -> Form:
