@@ -161,7 +161,9 @@ def prepare(s: Path, say) -> None:
         (s / d).mkdir()
     say("fixture: kvprobe run --model toy-qwen2 --n 6 --out run (about 20 s)")
     for args in (["run", "--model", "toy-qwen2", "--n", "6", "--out", "run"],
-                 ["edit", "--model", "toy-qwen2", "--n", "2", "--strategies", "stale", "--out", "edit-toy"]):
+                 ["edit", "--model", "toy-qwen2", "--n", "2", "--strategies", "stale", "--out", "edit-toy"],
+                 ["sweep", "--model", "toy-qwen2", "--layouts", "record", "--filler-tokens", "0", "--n", "4",
+                  "--out", "sweep", "--no-report"]):
         proc = kvprobe(args, s)
         if proc.returncode != 0:
             raise SystemExit(f"fixture `kvprobe {' '.join(args)}` failed (exit {proc.returncode}):\n"
@@ -341,6 +343,20 @@ def inputs(s: Path) -> list[Bad]:
             "serve-bench --url that is not http(s)", 2),
         Bad(["serve-bench", "--model", "smollm2-135m", "--url", "http://127.0.0.1:9", "--out", "sb"],
             "serve-bench --url of a dead server", 4),
+        # sweeps and layouts
+        Bad(["sweep", "--model", "toy-qwen2", "--layouts", "record", "--filler-tokens", "0,50", "--n", "4",
+             "--out", "sweep"], "sweep --out a sweep with other settings", 2),
+        Bad(["sweep", "--model", "toy-qwen2", "--out", "run"], "sweep --out a `kvprobe run` folder", 2),
+        Bad(["sweep", "--model", "toy-qwen2", "--layouts", "record,xml", "--out", "sw-opt"], "sweep --layouts xml", 2,
+            quote="xml"),
+        Bad(["sweep", "--model", "toy-qwen2", "--filler-tokens", "0,-5", "--out", "sw-opt"],
+            "sweep --filler-tokens with a negative length", 2),
+        Bad(["report", "sweep", "run"], "report of a sweep folder beside a run folder", 2),
+        Bad(["datasets", "show", "--layout", "xml"], "datasets show --layout xml", 2, quote="xml"),
+        Bad(["datasets", "generate", "--n", "2", "--filler-tokens", "99999", "--out", "c.jsonl"],
+            "datasets generate --filler-tokens 99999", 2),
+        Bad(["datasets", "show", "--dataset", "bad-line.jsonl", "--layout", "json"],
+            "datasets show: a layout knob on a JSONL dataset", 2),
         # a check that runs and fails
         Bad(["edit", *tiny, "--n", "2", "--strategies", "stale", "--out", "zero-valid"],
             "edit where no case is valid (tiny models have random weights)", 1, writes="zero-valid"),

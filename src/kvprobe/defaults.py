@@ -10,3 +10,9 @@ DEFAULT_FORM = "auto"  # chat where the tokenizer has a template, else raw
 # the strategies a run or an edit uses unless told otherwise (specs of kvprobe.editor.strategies)
 DEFAULT_STRATEGIES = ("stale", "field_only", "selective:8:attention", "selective:8:random", "cacheblend:0.15",
                       "erratum", "field_erratum", "hoist", "oracle")
+# kvprobe sweep: the grid and the strategies measured per cell
+SWEEP_LAYOUTS = ("record", "lines", "json")
+SWEEP_FILLER_TOKENS = (0, 100, 300)
+SWEEP_STRATEGIES = ("stale", "field_only", "erratum", "erratum_turn", "field_erratum", "field_erratum_turn",
+                    "cacheblend:0.15", "oracle")
+LAYOUT_NAMES = ("record", "lines", "prose", "json", "yaml", "chat_history", "tool_spec")  # datasets.layouts.LAYOUTS

@@ -13,6 +13,7 @@ from kvprobe.datasets.domains import DOMAINS
 from kvprobe.datasets.layouts import FIELD_STYLES, LAYOUTS
 from kvprobe.datasets.render import REQUEST, field_label, render_turns
 from kvprobe.datasets.words import build_word_tokenizer, words
+from kvprobe.defaults import LAYOUT_NAMES
 from kvprobe.errors import UsageError
 
 KNOBS = list(itertools.product(LAYOUTS, FIELD_STYLES, ("allow", "deny")))
@@ -34,6 +35,10 @@ def test_every_layout_holds_the_value_once_and_aligns(layout_tok, layout, style,
         assert "[UNK]" not in layout_tok.convert_ids_to_tokens(a.ids_old)  # the vocabulary covers the layout
         if style == "words" and "_" in case.field:
             assert field_label(case) in pair.text_old.lower() and case.field not in pair.text_old
+
+
+def test_the_cli_lists_every_layout():
+    assert tuple(LAYOUTS) == LAYOUT_NAMES  # the light list the CLI help prints
 
 
 def test_layouts_differ_and_keep_the_parts_in_order():

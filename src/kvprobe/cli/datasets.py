@@ -9,6 +9,7 @@ from rich.table import Table
 
 from kvprobe.cli import options as opt
 from kvprobe.cli.common import console, err_console, load_with_status, progress_bar, usable_file
+from kvprobe.defaults import LAYOUT_NAMES
 from kvprobe.errors import UsageError
 
 datasets_app = typer.Typer(help="Field-edit datasets: list domains, show and generate cases, check a model.",
@@ -29,7 +30,7 @@ def list_domains() -> None:
     console.print(table)
 
 
-Layout = typer.Option("record", help="prompt layout: record, lines, prose, json, yaml, chat_history, tool_spec")
+Layout = typer.Option("record", help=f"prompt layout: {', '.join(LAYOUT_NAMES)}")
 FillerTokens = typer.Option(None, min=0, show_default="2-6 filler rules around the field",
                             help="about this many tokens of filler after the field, the field first (0 = none)")
 FieldStyle = typer.Option("key", help="record keys as written (key: order_status) or in words (words: order status)")

@@ -6,14 +6,13 @@ import typer
 
 from kvprobe.cli import options as opt
 from kvprobe.cli.common import console, load_with_status, progress_bar, usable_out
+from kvprobe.defaults import LAYOUT_NAMES, SWEEP_FILLER_TOKENS, SWEEP_LAYOUTS, SWEEP_STRATEGIES
 from kvprobe.errors import UsageError
-
-LAYOUT_NAMES = "record, lines, prose, json, yaml, chat_history, tool_spec"
 
 
 def sweep(model: opt.Model = opt.DEFAULTS["model"],
-          layouts: str = typer.Option("record,lines,json", help=f"comma-separated prompt layouts: {LAYOUT_NAMES}"),
-          filler_tokens: str = typer.Option("0,100,300", help="comma-separated downstream lengths: about this many "
+          layouts: str = typer.Option(",".join(SWEEP_LAYOUTS), help=f"comma-separated prompt layouts: {', '.join(LAYOUT_NAMES)}"),
+          filler_tokens: str = typer.Option(",".join(map(str, SWEEP_FILLER_TOKENS)), help="comma-separated downstream lengths: about this many "
                                                               "tokens of filler after the field (0 = none)"),
           field_styles: str = typer.Option("key", help="comma-separated field-name styles: key (order_status), "
                                                        "words (order status)"),
@@ -24,9 +23,8 @@ def sweep(model: opt.Model = opt.DEFAULTS["model"],
                                            help="stop a cell once it has this many valid decision cases"),
           controls: float = typer.Option(0.0, min=0.0, max=1.0, help="fraction of negative-control cases"),
           seed: opt.Seed = 0, form: opt.Form = opt.DEFAULTS["form"],
-          strategies: str = typer.Option(
-              "stale,field_only,erratum,erratum_turn,field_erratum,field_erratum_turn,cacheblend:0.15,oracle",
-              help="comma-separated edit strategy specs (`kvprobe strategies` lists them)"),
+          strategies: str = typer.Option(",".join(SWEEP_STRATEGIES), help="comma-separated edit strategy specs "
+                                                                          "(`kvprobe strategies` lists them)"),
           min_flip: opt.MinFlip = opt.DEFAULTS["min_flip"],
           out: opt.Out = None,
           report: bool = typer.Option(True, help="write report.html at the end"),

@@ -25,7 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from kvprobe.datasets import Skip, align, generate
 from kvprobe.datasets.generate import MAX_FILLER_TOKENS, RULE_STYLES
 from kvprobe.datasets.layouts import FIELD_STYLES, LAYOUTS
-from kvprobe.defaults import DEFAULT_FORM, DEFAULT_MIN_FLIP, FORMS
+from kvprobe.defaults import (DEFAULT_FORM, DEFAULT_MIN_FLIP, FORMS, SWEEP_FILLER_TOKENS, SWEEP_LAYOUTS,
+                              SWEEP_STRATEGIES)
 from kvprobe.editor.strategies import parse_strategy
 from kvprobe.errors import CheckFailed
 from kvprobe.pipeline import package_versions
@@ -42,10 +43,6 @@ from kvprobe.results import (
 from kvprobe.sweep.measure import measure_case
 from kvprobe.sweep.summary import CELL_KEYS, RULE, cell_verdicts, layout_verdicts, summarize
 
-DEFAULT_LAYOUTS = ("record", "lines", "json")
-DEFAULT_FILLER_TOKENS = (0, 100, 300)
-SWEEP_STRATEGIES = ("stale", "field_only", "erratum", "erratum_turn", "field_erratum", "field_erratum_turn",
-                    "cacheblend:0.15", "oracle")
 
 
 class SweepConfig(BaseModel):
@@ -54,8 +51,8 @@ class SweepConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    layouts: list[str] = list(DEFAULT_LAYOUTS)
-    filler_tokens: list[int] = list(DEFAULT_FILLER_TOKENS)
+    layouts: list[str] = list(SWEEP_LAYOUTS)
+    filler_tokens: list[int] = list(SWEEP_FILLER_TOKENS)
     field_styles: list[str] = ["key"]
     rule_styles: list[str] = ["allow"]
     n: int = Field(40, ge=1)  # cases screened per cell at most
