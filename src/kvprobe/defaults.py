@@ -16,3 +16,10 @@ SWEEP_FILLER_TOKENS = (0, 100, 300)
 SWEEP_STRATEGIES = ("stale", "field_only", "erratum", "erratum_turn", "field_erratum", "field_erratum_turn",
                     "cacheblend:0.15", "oracle")
 LAYOUT_NAMES = ("record", "lines", "prose", "json", "yaml", "chat_history", "tool_spec")  # datasets.layouts.LAYOUTS
+
+
+def checked_form(form: str) -> str:
+    """``form`` when it is one of :data:`FORMS`; a ValueError naming them otherwise (config validators)."""
+    if form not in FORMS:
+        raise ValueError(f"unknown prompt form {form!r}; accepted: {', '.join(FORMS)}")
+    return form

@@ -29,7 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from kvprobe.composer.gate import run_compose, summarize_compose
 from kvprobe.datasets import ERRATUM, ERRATUM_TEMPLATES, Skip, align, resolve_dataset
 from kvprobe.datasets.tokens import case_tokens
-from kvprobe.defaults import DEFAULT_FORM, DEFAULT_MIN_FLIP, DEFAULT_MODEL, DEFAULT_N, DEFAULT_STRATEGIES, FORMS
+from kvprobe.defaults import (DEFAULT_FORM, DEFAULT_MIN_FLIP, DEFAULT_MODEL, DEFAULT_N, DEFAULT_STRATEGIES,
+                              checked_form)
 from kvprobe.editor.causal_rule import fit_rule
 from kvprobe.editor.rankings import RANKINGS
 from kvprobe.editor.runner import edit_case
@@ -93,9 +94,7 @@ class RunConfig(BaseModel):
     @field_validator("form")
     @classmethod
     def _form(cls, v: str) -> str:
-        if v not in FORMS:
-            raise ValueError(f"unknown prompt form {v!r}; accepted: {', '.join(FORMS)}")
-        return v
+        return checked_form(v)
 
     @field_validator("cot")
     @classmethod

@@ -25,8 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from kvprobe.datasets import Skip, align, generate
 from kvprobe.datasets.generate import MAX_FILLER_TOKENS, RULE_STYLES
 from kvprobe.datasets.layouts import FIELD_STYLES, LAYOUTS
-from kvprobe.defaults import (DEFAULT_FORM, DEFAULT_MIN_FLIP, FORMS, SWEEP_FILLER_TOKENS, SWEEP_LAYOUTS,
-                              SWEEP_STRATEGIES)
+from kvprobe.defaults import (DEFAULT_FORM, DEFAULT_MIN_FLIP, SWEEP_FILLER_TOKENS, SWEEP_LAYOUTS, SWEEP_STRATEGIES,
+                              checked_form)
 from kvprobe.editor.strategies import parse_strategy
 from kvprobe.errors import CheckFailed
 from kvprobe.pipeline import package_versions
@@ -84,9 +84,7 @@ class SweepConfig(BaseModel):
     @field_validator("form")
     @classmethod
     def _form(cls, v: str) -> str:
-        if v not in FORMS:
-            raise ValueError(f"unknown prompt form {v!r}; accepted: {', '.join(FORMS)}")
-        return v
+        return checked_form(v)
 
     @field_validator("strategies")
     @classmethod
