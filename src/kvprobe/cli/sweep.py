@@ -87,7 +87,10 @@ def print_sweep(out) -> None:
             ("strategy", "cacheblend:0.15", "agree", "cacheblend agr.")]
     for title in ["cell", "valid/screened", "downstream tok", *(c[3] for c in cols), "verdict", "s"]:
         table.add_column(title)
-    for cell, info in manifest["cells"].items():
+    cfg = manifest["config"]
+    order = lambda kv: (cfg["layouts"].index(kv[1]["layout"]), kv[1]["filler_tokens"],  # noqa: E731
+                        cfg["field_styles"].index(kv[1]["field_style"]), cfg["rule_styles"].index(kv[1]["rule_style"]))
+    for cell, info in sorted(manifest["cells"].items(), key=order):
         rows = summary[summary.cell == cell]
         texts = []
         for measure, name, what, _ in cols:
@@ -104,5 +107,5 @@ def print_sweep(out) -> None:
         table.add_row(cell, f"{info['valid_decision']}/{info['screened']}", f"{down:.0f}", *texts,
                       manifest["cell_verdicts"].get(cell, "-"), f"{info['wall_s']:.0f}")
     console.print(table)
-    for layout, verdict in manifest["layout_verdicts"].items():
+    for layout, verdict in sorted(manifest["layout_verdicts"].items(), key=lambda kv: cfg["layouts"].index(kv[0])):
         console.print(f"{layout}: {verdict}")
