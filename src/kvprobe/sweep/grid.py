@@ -111,7 +111,8 @@ def cell_cases(cfg: SweepConfig, cell: dict) -> list:
 
 def run_sweep(cfg: SweepConfig, lm, out: Path | str, progress: Callable[[str, int], Callable[[], None]] | None = None
               ) -> dict:
-    """Every cell of ``cfg`` into ``out`` (resuming finished parts and cells); returns the manifest."""
+    """Every cell of ``cfg`` into ``out``; a case measured by an earlier, interrupted invocation is read
+    from its part, not redone. Returns the manifest."""
     out = Path(out)
     progress = progress or (lambda name, total: (lambda: None))
     strategies = [parse_strategy(s) for s in cfg.strategies]
@@ -125,6 +126,10 @@ def run_sweep(cfg: SweepConfig, lm, out: Path | str, progress: Callable[[str, in
         for a in aligned:
             lm.check_length(max(len(a.ids_old), len(a.ids_new)), f"case {a.case.case_id}")
         prepared.append((cell, aligned, skipped))
+    if not any(aligned for _, aligned, _ in prepared):
+        reasons = pd.Series([s.reason for _, _, skipped in prepared for s in skipped]).value_counts()
+        raise CheckFailed(f"no case of the sweep aligns under {cfg.model}'s tokenizer (most often: "
+                          f"{reasons.index[0] if len(reasons) else 'no cases'}); try another --form or layout")
     out.mkdir(parents=True, exist_ok=True)
     claim_folder(out, SWEEP_CLAIM, cfg.model_dump(), held="sweep with other settings")
     frames, record = [], {}
@@ -161,9 +166,7 @@ def run_sweep(cfg: SweepConfig, lm, out: Path | str, progress: Callable[[str, in
             "wall_s": round(float(cases.case_s.sum()), 1) if len(cases) else 0.0,  # summed from the parts: resume-proof
             "skip_reasons": pd.Series([s.reason.split(":")[0] for s in skipped]).value_counts().to_dict(),
         }
-    rows = pd.concat([f for f in frames if len(f)], ignore_index=True) if any(len(f) for f in frames) else None
-    if rows is None:
-        raise CheckFailed(f"no case of the sweep aligned under {cfg.model}'s tokenizer; see the skip reasons")
+    rows = pd.concat([f for f in frames if len(f)], ignore_index=True)
     rows.insert(0, "model", cfg.model)
     atomic_write_parquet(rows, out / SWEEP)
     summary = summarize(rows)
