@@ -11,9 +11,11 @@ from kvprobe.errors import UsageError
 
 
 def sweep(model: opt.Model = opt.DEFAULTS["model"],
-          layouts: str = typer.Option(",".join(SWEEP_LAYOUTS), help=f"comma-separated prompt layouts: {', '.join(LAYOUT_NAMES)}"),
-          filler_tokens: str = typer.Option(",".join(map(str, SWEEP_FILLER_TOKENS)), help="comma-separated downstream lengths: about this many "
-                                                              "tokens of filler after the field (0 = none)"),
+          layouts: str = typer.Option(",".join(SWEEP_LAYOUTS),
+                                      help=f"comma-separated prompt layouts: {', '.join(LAYOUT_NAMES)}"),
+          filler_tokens: str = typer.Option(",".join(map(str, SWEEP_FILLER_TOKENS)),
+                                            help="comma-separated downstream lengths: about this many tokens of "
+                                                 "filler after the field (0 = none)"),
           field_styles: str = typer.Option("key", help="comma-separated field-name styles: key (order_status), "
                                                        "words (order status)"),
           rule_styles: str = typer.Option("allow", help="comma-separated rule styles: allow (the rule names the "
@@ -39,8 +41,8 @@ def sweep(model: opt.Model = opt.DEFAULTS["model"],
     """
     from pydantic import ValidationError
 
-    from kvprobe.results import check_claim
-    from kvprobe.sweep.grid import SWEEP_CLAIM, SweepConfig, run_sweep
+    from kvprobe.results import SWEEP_CLAIM, check_claim
+    from kvprobe.sweep.grid import SweepConfig, run_sweep
 
     try:
         cfg = SweepConfig(model=model, layouts=opt.parse_csv(layouts),
@@ -69,43 +71,26 @@ def sweep(model: opt.Model = opt.DEFAULTS["model"],
 
 
 def print_sweep(out) -> None:
-    """Per cell: valid cases, field-only and downstream recovery, erratum agreement, the verdict."""
+    """Per cell, in grid order: valid cases, the headline numbers with their CIs, the verdict."""
     import json
 
     import pandas as pd
     from rich.table import Table
 
-    from kvprobe.reports.stats import Stat
+    from kvprobe.reports.sweep import HEADLINE, grid_order, headline_stats
     from kvprobe.results import SWEEP_MANIFEST, SWEEP_SUMMARY
 
-    summary = pd.read_parquet(out / SWEEP_SUMMARY)
     manifest = json.loads((out / SWEEP_MANIFEST).read_text())
-    table = Table(title=f"{manifest['config']['model']}: layouts x downstream lengths")
-    cols = [("patch", "field", "recovery", "field-only rec."), ("patch", "downstream", "recovery", "downstream rec."),
-            ("strategy", "erratum", "agree", "erratum agr."), ("strategy", "erratum_turn", "agree", "erratum (turn)"),
-            ("strategy", "field_erratum", "agree", "field_erratum agr."),
-            ("strategy", "cacheblend:0.15", "agree", "cacheblend agr.")]
-    for title in ["cell", "valid/screened", "downstream tok", *(c[3] for c in cols), "verdict", "s"]:
-        table.add_column(title)
     cfg = manifest["config"]
-    order = lambda kv: (cfg["layouts"].index(kv[1]["layout"]), kv[1]["filler_tokens"],  # noqa: E731
-                        cfg["field_styles"].index(kv[1]["field_style"]), cfg["rule_styles"].index(kv[1]["rule_style"]))
-    for cell, info in sorted(manifest["cells"].items(), key=order):
-        rows = summary[summary.cell == cell]
-        texts = []
-        for measure, name, what, _ in cols:
-            hit = rows[(rows.measure == measure) & (rows.name == name)]
-            if not len(hit):
-                texts.append("-")
-                continue
-            r = hit.iloc[0]
-            if what == "agree":
-                texts.append(Stat(r.agree, r.agree_lo, r.agree_hi, int(r.n_agree)).text())
-            else:
-                texts.append(Stat(r.recovery, r.recovery_lo, r.recovery_hi, int(r.n_recovery)).text())
-        down = rows.downstream_tokens.iloc[0] if len(rows) else float("nan")
-        table.add_row(cell, f"{info['valid_decision']}/{info['screened']}", f"{down:.0f}", *texts,
-                      manifest["cell_verdicts"].get(cell, "-"), f"{info['wall_s']:.0f}")
+    summary = grid_order(pd.read_parquet(out / SWEEP_SUMMARY), cfg)
+    table = Table(title=f"{cfg['model']}: layouts x downstream lengths")
+    for title in ["cell", "valid/screened", "downstream tok", *(c[3] for c in HEADLINE), "verdict", "s"]:
+        table.add_column(title)
+    for cell in dict.fromkeys(summary.cell):
+        rows, info = summary[summary.cell == cell], manifest["cells"][cell]
+        texts = [stat.text() if stat else "-" for stat in headline_stats(rows)]
+        table.add_row(cell, f"{info['valid_decision']}/{info['screened']}", f"{rows.downstream_tokens.iloc[0]:.0f}",
+                      *texts, manifest["cell_verdicts"].get(cell, "-"), f"{info['wall_s']:.0f}")
     console.print(table)
-    for layout, verdict in sorted(manifest["layout_verdicts"].items(), key=lambda kv: cfg["layouts"].index(kv[0])):
-        console.print(f"{layout}: {verdict}")
+    for layout in dict.fromkeys(summary.layout):
+        console.print(f"{layout}: {manifest['layout_verdicts'][layout]}")

@@ -106,7 +106,7 @@ def _env() -> Environment:
 def build(folder: Path, manifest: dict, summary: pd.DataFrame) -> dict:
     """The template context of one sweep."""
     cfg = manifest.get("config", {})
-    summary = _ordered(summary, cfg)
+    summary = grid_order(summary, cfg)
     cells = cell_verdicts(summary)
     cell_verdict = {**dict(zip(cells.cell, cells.verdict)), **manifest.get("cell_verdicts", {})}
     verdicts = {**layout_verdicts(cells), **manifest.get("layout_verdicts", {})}
@@ -126,7 +126,7 @@ def build(folder: Path, manifest: dict, summary: pd.DataFrame) -> dict:
     }
 
 
-def _ordered(summary: pd.DataFrame, cfg: dict) -> pd.DataFrame:
+def grid_order(summary: pd.DataFrame, cfg: dict) -> pd.DataFrame:
     """The summary in grid order: the config's layouts, then lengths, then styles (unknown ones last)."""
     def rank(values: list, column: pd.Series) -> pd.Series:
         index = {v: i for i, v in enumerate(values)}
@@ -162,6 +162,24 @@ def recovery_stat(row) -> Stat:
 
 def agree_stat(row) -> Stat:
     return Stat(nanfloat(row.agree), nanfloat(row.agree_lo), nanfloat(row.agree_hi), _n(row.n_agree))
+
+
+# The per-cell numbers `kvprobe sweep` prints and docs/sweep.md tabulates: (measure, name, statistic, title).
+HEADLINE = (("patch", "field", "recovery", "field-only recovery"),
+            ("patch", "downstream", "recovery", "downstream recovery"),
+            ("strategy", "erratum", "agree", "erratum agreement"),
+            ("strategy", "erratum_turn", "agree", "erratum_turn agreement"),
+            ("strategy", "field_erratum", "agree", "field_erratum agreement"),
+            ("strategy", "cacheblend:0.15", "agree", "cacheblend:0.15 agreement"))
+
+
+def headline_stats(cell_rows: pd.DataFrame) -> list[Stat | None]:
+    """One cell's :data:`HEADLINE` numbers (None where the cell has no such row)."""
+    out = []
+    for measure, name, what, _ in HEADLINE:
+        hit = cell_rows[(cell_rows.measure == measure) & (cell_rows.name == name)]
+        out.append(None if not len(hit) else (agree_stat if what == "agree" else recovery_stat)(hit.iloc[0]))
+    return out
 
 
 def _variant_label(field_style: str, rule_style: str) -> str:

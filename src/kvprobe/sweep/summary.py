@@ -79,8 +79,8 @@ def cell_verdicts(summary: pd.DataFrame) -> pd.DataFrame:
     """One row per cell with the field-only recovery and its verdict."""
     field = summary[(summary.measure == "patch") & (summary.name == "field")]
     out = field[CELL_KEYS + ["n_valid", "recovery", "recovery_lo", "recovery_hi", "n_recovery"]].copy()
-    out["verdict"] = [verdict(lo, hi, int(n or 0)) for lo, hi, n in
-                      zip(out.recovery_lo.fillna(math.nan), out.recovery_hi.fillna(math.nan), out.n_recovery)]
+    out["verdict"] = [verdict(lo, hi, int(n or 0))
+                      for lo, hi, n in zip(out.recovery_lo, out.recovery_hi, out.n_recovery)]
     return out.reset_index(drop=True)
 
 
