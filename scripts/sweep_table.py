@@ -28,8 +28,8 @@ def table(folder: Path) -> str:
     manifest = json.loads((folder / SWEEP_MANIFEST).read_text())
     cfg = manifest["config"]
     summary = grid_order(pd.read_parquet(folder / SWEEP_SUMMARY), cfg)
-    lines = [f"**{cfg['model']}**: {len(manifest['cells'])} cells, {manifest['wall_s']['cells']:.0f} s of measurement "
-             f"({manifest['wall_s']['cells'] / 60:.0f} min)", "",
+    lines = [(f"**{cfg['model']}**: {len(manifest['cells'])} cells, {manifest['wall_s']['cells']:.0f} s of "
+              f"measurement ({manifest['wall_s']['cells'] / 60:.0f} min)"), "",
              "| layout | filler | downstream tokens | valid / screened | " + " | ".join(c[3] for c in HEADLINE)
              + " | verdict | s |", "|" + "---|" * (len(HEADLINE) + 6)]
     for cell in dict.fromkeys(summary.cell):

@@ -6,7 +6,12 @@ import typer
 
 from kvprobe.cli import options as opt
 from kvprobe.cli.common import console, load_with_status, progress_bar, usable_out
-from kvprobe.defaults import LAYOUT_NAMES, SWEEP_FILLER_TOKENS, SWEEP_LAYOUTS, SWEEP_STRATEGIES
+from kvprobe.defaults import (
+    LAYOUT_NAMES,
+    SWEEP_FILLER_TOKENS,
+    SWEEP_LAYOUTS,
+    SWEEP_STRATEGIES,
+)
 from kvprobe.errors import UsageError
 
 

@@ -25,8 +25,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from kvprobe.datasets import Skip, align, generate
 from kvprobe.datasets.generate import MAX_FILLER_TOKENS, RULE_STYLES
 from kvprobe.datasets.layouts import FIELD_STYLES, LAYOUTS
-from kvprobe.defaults import (DEFAULT_FORM, DEFAULT_MIN_FLIP, SWEEP_FILLER_TOKENS, SWEEP_LAYOUTS, SWEEP_STRATEGIES,
-                              checked_form)
+from kvprobe.defaults import (
+    DEFAULT_FORM,
+    DEFAULT_MIN_FLIP,
+    SWEEP_FILLER_TOKENS,
+    SWEEP_LAYOUTS,
+    SWEEP_STRATEGIES,
+    checked_form,
+)
 from kvprobe.editor.strategies import parse_strategy
 from kvprobe.errors import CheckFailed
 from kvprobe.pipeline import package_versions
@@ -41,8 +47,13 @@ from kvprobe.results import (
     claim_folder,
 )
 from kvprobe.sweep.measure import measure_case
-from kvprobe.sweep.summary import CELL_KEYS, RULE, cell_verdicts, layout_verdicts, summarize
-
+from kvprobe.sweep.summary import (
+    CELL_KEYS,
+    RULE,
+    cell_verdicts,
+    layout_verdicts,
+    summarize,
+)
 
 
 class SweepConfig(BaseModel):

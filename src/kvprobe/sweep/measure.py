@@ -60,8 +60,8 @@ def measure_case(lm, a: AlignedCase, strategies: Sequence[Strategy], min_flip: f
     start = time.perf_counter()
     case = a.case
     new_ans, old_ans = answer_targets(case)
-    m_of = lambda lg: logit_diff(lg, a.option_ids, new_ans, old_ans)  # noqa: E731
-    pred_of = lambda lg: predicted(lg, a.option_ids, case.options)  # noqa: E731
+    m_of = lambda lg: logit_diff(lg, a.option_ids, new_ans, old_ans)
+    pred_of = lambda lg: predicted(lg, a.option_ids, case.options)
     lm.check_length(len(a.ids_old))
     pc = PairCaches.build(lm, a)
     sets = patch_sets(a)
