@@ -27,7 +27,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvprobe.composer.gate import run_compose, summarize_compose
-from kvprobe.datasets import ERRATUM, ERRATUM_TEMPLATES, Skip, align, resolve_dataset
+from kvprobe.datasets import ERRATUM, ERRATUM_TEMPLATES, Skip, align, require_answers, resolve_dataset
 from kvprobe.datasets.tokens import case_tokens
 from kvprobe.defaults import (DEFAULT_FORM, DEFAULT_MIN_FLIP, DEFAULT_MODEL, DEFAULT_N, DEFAULT_STRATEGIES,
                               checked_form)
@@ -295,6 +295,7 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None, cases: list | N
     t0 = time.perf_counter()
 
     cases = cases if cases is not None else load_cases(cfg)
+    require_answers(cases, "kvprobe run")
     lm = lm or stages.run("load", lambda: load_model(cfg.model, dtype=cfg.dtype, device=cfg.device))
     sel = prepare(cfg, lm, cases)
     out.mkdir(parents=True, exist_ok=True)

@@ -55,6 +55,21 @@ def test_field_value_absent_from_prompt(tmp_path):
                    "case u1", "'delivered'", "occurs 0 times", "exactly once")
 
 
+def test_cases_without_expected_answers_are_refused_before_any_model_work(tmp_path):
+    case = {"case_id": "t1", "domain": "loans", "field": "tier", "old_value": "gold", "new_value": "basic",
+            "template": "Loans are issued only if the tier is gold.\nTier: {tier}.", "question": "Issue the loan?",
+            "options": ["yes", "no"]}
+    path = tmp_path / "bare.jsonl"
+    path.write_text(json.dumps(case) + "\n")
+    for command in (["edit"], ["run"], ["datasets", "check"]):
+        out = ["--out", str(tmp_path / "out")] if command != ["datasets", "check"] else []
+        proc = kvprobe(*command, "--model", "tiny-qwen2", "--dataset", str(path), *out)
+        one_line_error(proc, "case t1 has no expected answers (expected_old, expected_new); "
+                             f"kvprobe {' '.join(command)} measures validity and needs them")
+        assert proc.returncode == 3  # bad input data
+    assert not (tmp_path / "out").exists()  # refused before any folder is claimed or model loaded
+
+
 def test_checksum_mismatch(tmp_path, monkeypatch):
     from kvprobe.models import bundled
 

@@ -31,7 +31,7 @@ def _good(case_data, **change) -> str:
     ("make", "message"),
     [
         (lambda d: [_good(d), _good(d, case_id="c2", options=["yes"])],
-         r"cases.jsonl line 2: field 'options': list should have at least 2 items"),
+         r"cases.jsonl line 2: give two answer options, or none; got one: \['yes'\]"),
         (lambda d: [_good(d), "", _good(d, case_id="c3"), "{oops"], r"cases.jsonl line 4: not valid JSON: "),
         (lambda d: ["[1, 2]"], r"line 1: expected a JSON object, got list"),
         (lambda d: [_good(d, new_value="delivered")], r"line 1: old_value and new_value must differ"),

@@ -19,7 +19,7 @@ def test_valid_case_and_frozen(case_data):
         ({"new_value": "delivered"}, "must differ"),
         ({"expected_new": "maybe"}, "not one of options"),
         ({"options": ["yes", "yes"], "expected_new": "yes"}, "distinct"),
-        ({"options": ["yes"]}, "at least 2"),
+        ({"options": ["yes"]}, "give two answer options, or none"),
         ({"control": True}, "control case must keep"),
         ({"expected_new": "yes"}, "must flip"),
         ({"old_value": " delivered"}, "surrounding spaces"),

@@ -56,8 +56,10 @@ def show(dataset: opt.Dataset = "default", index: int = typer.Option(0, min=0, h
         raise UsageError(f"index {index} is out of range; the dataset has {len(cases)} cases")
     case = cases[index]
     tokenizer = load_with_status(model).tokenizer if model else None
+    expected = ("no expected answers" if case.expected_old is None
+                else f"expected {case.expected_old} -> {case.expected_new}")
     console.print(f"[bold]{case.case_id}[/bold]  domain={case.domain} field={case.field} "
-                  f"{case.old_value!r} -> {case.new_value!r}  expected {case.expected_old} -> {case.expected_new}"
+                  f"{case.old_value!r} -> {case.new_value!r}  {expected}"
                   f"{'  (negative control)' if case.control else ''}")
     console.print(render_prompt(case, tokenizer, case.old_value, form if tokenizer else "raw"), highlight=False,
                   markup=False)
@@ -91,13 +93,14 @@ def check(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "defa
           out: Path | None = typer.Option(None, help="also write the per-case table (parquet)"),
           per_case: bool = typer.Option(True, help="print the per-case table")) -> None:
     """Prefill every case with both values: accuracy, paired flip rate, logit shift, validity."""
-    from kvprobe.datasets import resolve_dataset
+    from kvprobe.datasets import require_answers, resolve_dataset
     from kvprobe.probes.field_following import check_cases, summarize
 
     if out is not None:
         usable_file(out)
     kwargs = {"few_shot": few_shot} if dataset in (None, "default") else {}
     cases = resolve_dataset(dataset, n=n, seed=seed, **kwargs)
+    require_answers(cases, "kvprobe datasets check")
     lm = load_with_status(model)
     with progress_bar() as bar:
         task = bar.add_task(f"checking {len(cases)} cases on {model}", total=len(cases))

@@ -26,6 +26,7 @@ def edit(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "defau
     """
     from pydantic import ValidationError
 
+    from kvprobe.datasets import require_answers
     from kvprobe.editor.runner import align_all, run_edits
     from kvprobe.pipeline import RunConfig, check_cases, load_cases
     from kvprobe.results import (EDIT_CLAIM, EDITS, CaseStore, atomic_write_json, check_case_ids, check_claim,
@@ -43,6 +44,7 @@ def edit(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "defau
     check_claim(out, EDIT_CLAIM, settings, held=held)  # fail before loading; claimed once every input is valid
     cases = load_cases(cfg)
     check_case_ids(c.case_id for c in cases)
+    require_answers(cases, "kvprobe edit")
     lm = load_with_status(model, allow_failed_toy=allow_failed_toy)
     aligned, _ = align_all(lm, cases, cfg.form)
     check_cases(lm, aligned, cfg.edit_strategies(), cfg.cot, cfg.form)

@@ -84,6 +84,15 @@ def load_jsonl(path: str | Path) -> list[EditCase]:
     return cases
 
 
+def require_answers(cases: Iterable[EditCase], what: str) -> None:
+    """Refuse, before any model work, cases without expected answers where ``what`` (a command or
+    stage, e.g. ``"kvprobe edit"``) measures validity: it compares the model's answers with them."""
+    for case in cases:
+        if case.expected_old is None or case.expected_new is None:
+            raise KvprobeError(f"case {case.case_id} has no expected answers (expected_old, expected_new); {what} "
+                               f"measures validity and needs them")
+
+
 def resolve_dataset(spec: str | None, n: int | None = None, seed: int = 0, **generate_kwargs) -> list:
     """Cases from a dataset spec: ``None``/``"default"`` generates ``n`` cases (default 40) with
     ``seed``; anything else is a JSONL path (its first ``n`` cases when ``n`` is given)."""

@@ -1,7 +1,7 @@
 """Turn an :class:`EditCase` into prompt text, with the field value at a known character span.
 
-The body follows ``case.layout`` (:mod:`kvprobe.datasets.layouts`). The default, ``record``
-(sections joined by a blank line, lines by a newline)::
+A structured case's body follows ``case.layout`` (:mod:`kvprobe.datasets.layouts`). The
+default, ``record`` (sections joined by a blank line, lines by a newline)::
 
     {system}                       # only when the system line is rendered into the body
     ## Policy
@@ -19,6 +19,10 @@ The body follows ``case.layout`` (:mod:`kvprobe.datasets.layouts`). The default,
 ``field_position`` thus moves the field line and how much filler lies downstream of it (in every
 layout). The section marks, newlines and punctuation downstream of the field are kept on purpose:
 they are the "aggregator" positions where the model writes its notes about the field.
+
+A user's case brings its own body: a free-form ``prompt`` with the old value replaced, or a
+``template`` with its ``values`` filled in and the value at ``{field}``; then the erratum
+paragraph (if any) and ``## Request`` with the question, as in the ``record`` layout.
 
 Forms: ``"chat"`` applies the tokenizer's chat template (system message, few-shot demos as
 earlier user/assistant turns, generation prompt added); ``"raw"`` is plain text ending in
@@ -47,7 +51,7 @@ from kvprobe.datasets.layouts import (
     as_text,
     label,
 )
-from kvprobe.datasets.schema import EditCase
+from kvprobe.datasets.schema import EditCase, template_pieces
 from kvprobe.defaults import FORMS
 from kvprobe.errors import KvprobeError, UsageError
 
@@ -86,7 +90,7 @@ def _split_at(n: int, position: str) -> int:
 
 def question_text(case: EditCase) -> str:
     """The question, the options it accepts, and the chain-of-thought cue when ``case.cot``."""
-    text = f"{case.question} {ANSWER_WITH.format(a=case.options[0], b=case.options[1])}"
+    text = f"{case.question} {ANSWER_WITH.format(a=case.options[0], b=case.options[1])}" if case.options else case.question
     return f"{text} {COT_LINE}" if case.cot else text
 
 
@@ -120,6 +124,8 @@ def render_turns(case: EditCase, value: str, *, erratum: str | None = None, erra
     inline = erratum if erratum_at == "question" else None
     if case.prompt is not None:
         turns = [("user", _free_body(case, value, inline))]
+    elif case.template is not None:
+        turns = [("user", _template_body(case, value, inline))]
     else:
         turns = LAYOUTS[case.layout](parts(case, value, inline))
     if erratum and erratum_at == "turn":
@@ -137,7 +143,8 @@ def render_body(case: EditCase, value: str, *, system: bool = True, erratum: str
 
 def check_text(case: EditCase) -> None:
     """Refuse, before any tokenizer or model work, a free-form case whose prompt does not hold its
-    old value exactly once (a generated case always does)."""
+    old value exactly once (a generated case always does; a template case's schema checks its
+    single ``{field}`` placeholder)."""
     if case.prompt is not None:
         _free_body(case, case.new_value, None)
 
@@ -149,7 +156,20 @@ def _free_body(case: EditCase, value: str, erratum: str | None) -> str:
         raise KvprobeError(f"case {case.case_id}: the old value {case.old_value!r} of field '{case.field}' occurs "
                            f"{len(hits)} times in its prompt; it must occur exactly once, as a whole word")
     i = hits[0]
-    body = case.prompt[:i] + value + case.prompt[i + len(case.old_value):]
+    return _with_request(case, case.prompt[:i] + value + case.prompt[i + len(case.old_value):], erratum)
+
+
+def _template_body(case: EditCase, value: str, erratum: str | None) -> str:
+    """A user's template with ``case.values`` filled in and ``value`` at its single ``{field}``
+    placeholder (the schema checked both)."""
+    fill = {**case.values, case.field: value}
+    pieces = template_pieces(case.template)
+    body = "".join(literal + (fill[name] if name is not None else "") for literal, name in pieces)
+    return _with_request(case, body, erratum)
+
+
+def _with_request(case: EditCase, body: str, erratum: str | None) -> str:
+    """A user's body, then the erratum paragraph (if any), then ``## Request`` and the question."""
     paragraphs = [body.rstrip(), *([erratum] if erratum else []), f"{REQUEST}\n{question_text(case)}"]
     return "\n\n".join(paragraphs)
 

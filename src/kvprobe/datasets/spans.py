@@ -171,7 +171,7 @@ def align(case: EditCase, tokenizer: PreTrainedTokenizerBase, form: str = "auto"
     for opt, ids in options.items():
         if not ids:
             return Skip(case.case_id, f"option {opt!r} has no non-space first token")
-    first, second = (set(options[opt]) for opt in case.options)
+    first, second = (set(options[opt]) for opt in case.options) if options else (set(), set())
     if first & second:
         return Skip(case.case_id, f"options {case.options} share first-token ids {sorted(first & second)}")
 

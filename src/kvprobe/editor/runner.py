@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import pandas as pd
 
-from kvprobe.datasets import AlignedCase, EditCase, Skip, align
+from kvprobe.datasets import AlignedCase, EditCase, Skip, align, require_answers
 from kvprobe.kv.readout import answer_targets, logit_diff, predicted
 from kvprobe.errors import KvprobeError
 from kvprobe.editor.context import make_context
@@ -99,7 +99,9 @@ def run_edits(lm, cases: Sequence[EditCase], strategies: Sequence[str], cot: Seq
               form: str = "auto", min_flip: float = DEFAULT_MIN_FLIP, ranking=None, seed: int = 0,
               model_name: str = "", store=None, on_case: Callable[[], None] = lambda: None
               ) -> tuple[pd.DataFrame, list[Skip]]:
-    """All strategies x CoT settings over the cases; finished cases are kept in ``store`` (resume)."""
+    """All strategies x CoT settings over the cases; finished cases are kept in ``store`` (resume).
+    Every case needs its expected answers (the rows say whether it is valid)."""
+    require_answers(cases, "run_edits")
     parsed = [parse_strategy(s) for s in strategies]
     frames, skipped = [], []
     for cot_tokens in cot:

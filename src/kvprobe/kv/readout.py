@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from kvprobe.errors import KvprobeError
+
 
 def option_scores(logits: torch.Tensor, option_ids: dict[str, list[int]], options: list[str]) -> torch.Tensor:
     """(..., V) logits -> (..., n_options) scores, in the order of ``options``."""
@@ -30,7 +32,10 @@ def predicted(logits: torch.Tensor, option_ids: dict[str, list[int]], options: l
 
 def answer_targets(case) -> tuple[str, str]:
     """(new-answer option, old-answer option) for m; a control keeps its answer, so its m is
-    measured against the other option."""
+    measured against the other option. A case without expected answers has no m."""
+    if case.expected_old is None or case.expected_new is None:
+        raise KvprobeError(f"case {case.case_id} has no expected answers (expected_old, expected_new); the "
+                           f"decision metric m needs them")
     if case.control:
         return next(o for o in case.options if o != case.expected_old), case.expected_old
     return case.expected_new, case.expected_old

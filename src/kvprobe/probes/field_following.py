@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 import pandas as pd
 import torch
 
-from kvprobe.datasets import AlignedCase, EditCase, Skip, align
+from kvprobe.datasets import AlignedCase, EditCase, Skip, align, require_answers
 from kvprobe.kv.readout import answer_targets, logit_diff, predicted
 from kvprobe.kv import cache as kvcache
 
@@ -58,7 +58,10 @@ def check_case(model, a: AlignedCase) -> dict:
 
 def check_cases(lm, cases: Iterable[EditCase], form: str = "auto",
                 on_case: Callable[[int], None] = lambda i: None) -> tuple[pd.DataFrame, list[Skip]]:
-    """Validity rows for every aligned case, and the skipped cases with their reasons."""
+    """Validity rows for every aligned case, and the skipped cases with their reasons (every case
+    needs its expected answers)."""
+    cases = list(cases)
+    require_answers(cases, "check_cases")
     rows, skipped = [], []
     for i, case in enumerate(cases):
         a = align(case, lm.tokenizer, form=form)
