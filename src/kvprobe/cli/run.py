@@ -40,6 +40,7 @@ def run(ctx: typer.Context,
     """
     from pydantic import ValidationError
 
+    from kvprobe.datasets import require_answers
     from kvprobe.pipeline import RunConfig, load_cases, settled
     from kvprobe.pipeline import run as run_pipeline
     from kvprobe.results import RUN_CLAIM, check_case_ids, check_claim
@@ -59,6 +60,7 @@ def run(ctx: typer.Context,
     check_claim(out, RUN_CLAIM, cfg.model_dump(), settle=settled)  # fail before loading; claimed once all is valid
     cases = load_cases(cfg)
     check_case_ids(c.case_id for c in cases)
+    require_answers(cases, "kvprobe run")
     lm = load_with_status(cfg.model, cfg.dtype, cfg.device, allow_failed_toy=allow_failed_toy)
     with progress_bar() as bar:
         tasks = {}
@@ -103,11 +105,13 @@ def _print_headline(out: Path, cfg) -> None:
             console.print(f"K*: none. {k.get('reason')}; {topk}", markup=False)
 
 
-def export_topk(results_dir: Path = typer.Argument(..., help="a kvprobe run results folder"),
+def export_topk(results_dir: Path = typer.Argument(..., help="a `kvprobe run` or `kvprobe sweep` results folder"),
                 out: Path | None = typer.Option(None, show_default="RESULTS_DIR/topk.yaml", help="YAML path"),
                 threshold: float = typer.Option(0.95, min=0.0, max=1.0, help="agreement with the oracle that K* "
-                                                                             "must reach, in [0, 1]")) -> None:
-    """Write the per-model top-K YAML (K*, ranking rule, token kinds, fingerprint) for serving."""
+                                                                             "(and policy.cheapest) must reach, "
+                                                                             "in [0, 1]")) -> None:
+    """Write the per-model top-K YAML (K*, ranking rule, token kinds, fingerprint, the evidence per strategy)
+    for serving; from a sweep folder, the fingerprint and the evidence per strategy only."""
     from kvprobe.cli.common import usable_file
     from kvprobe.editor.topk import export_topk as export
 

@@ -1,9 +1,13 @@
-"""The per-model top-K configuration for serving: K*, the ranking rule, and the erratum template.
+"""The per-model top-K configuration for serving: K*, the ranking rule, the erratum template, and
+the evidence per strategy (``strategies``). :mod:`kvprobe.policy` reads it back.
 
 K* is the smallest K at which ``selective(K, causal)`` agrees with the oracle on at least
 ``threshold`` of held-out cases (cases not used to learn the ranking). When no K up to the
 downstream length reaches it, the file says so (``k_star: null`` with the reason) instead of
 inventing a number.
+
+A ``kvprobe sweep`` folder exports too: its file has the model fingerprint, the strategies
+section (every valid case of every cell) and ``k_star: null``, since a sweep learns no ranking.
 """
 
 from __future__ import annotations
@@ -14,12 +18,26 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from kvprobe.editor.strategies import Erratum, parse_strategy
 from kvprobe.errors import KvprobeError
-from kvprobe.metrics import mean_ci
-from kvprobe.results import EDITS, MANIFEST, RANKING_RULE, RUN_MANIFEST_KEYS, atomic_write, json_object, read_table
+from kvprobe.metrics import mean_ci, wilson_ci
+from kvprobe.policy import SCHEMA_VERSION, TOPK_FILE
+from kvprobe.results import (
+    EDITS,
+    MANIFEST,
+    RANKING_RULE,
+    RUN_MANIFEST_KEYS,
+    SWEEP,
+    SWEEP_CLAIM,
+    SWEEP_MANIFEST,
+    atomic_write,
+    json_object,
+    read_table,
+)
 
-SCHEMA_VERSION = 1
-TOPK_FILE = "topk.yaml"
+__all__ = ["SCHEMA_VERSION", "TOPK_FILE", "export_topk", "k_sweep", "kinds_of_top", "strategy_evidence",
+           "topk_config", "write_topk"]
+NO_RANKING = "a sweep measures no causal ranking"
 
 
 def k_sweep(edits: pd.DataFrame, ranking: str = "causal") -> pd.DataFrame:
@@ -35,9 +53,46 @@ def k_sweep(edits: pd.DataFrame, ranking: str = "causal") -> pd.DataFrame:
     return pd.DataFrame(rows).sort_values("k") if rows else pd.DataFrame(rows)
 
 
+def _num(value, digits: int) -> float | None:
+    """A rounded float for the YAML; None for NaN (not measured)."""
+    return None if value is None or pd.isna(value) else round(float(value), digits)
+
+
+def strategy_evidence(rows: pd.DataFrame, label: str = "strategy") -> list[dict]:
+    """The ``strategies`` section: one entry per strategy label (column ``label``) in ``rows``, in the
+    order they first appear, over the valid cases (pass no chain-of-thought rows).
+
+    ``agreement`` (with its Wilson 95% CI) and ``n`` are over the decision cases, ``control_invariance``
+    and ``n_controls`` over the controls (the oracle keeps the old answer there, so agreeing is keeping
+    it; None without controls); ``frac_recomputed``, ``wall_s`` and, where the table has it,
+    ``decide_s`` are means over both. A row the strategy could not repair (no ``agree``: an error
+    row) counts in ``n_errors`` only.
+    """
+    out = []
+    rows = rows[rows.valid.astype(bool)]
+    for spec, g in rows.groupby(label, sort=False):
+        ran = g[g.agree.notna()]
+        agree = ran.agree.astype(float)
+        control = ran.control.astype(bool)
+        decision, controls = agree[~control], agree[control]
+        n = len(decision)
+        p = float(decision.mean()) if n else None
+        entry = {"spec": str(spec), "agreement": _num(p, 4),
+                 "agreement_ci95": [_num(x, 4) for x in wilson_ci(p, n)] if n else None, "n": n,
+                 "control_invariance": _num(controls.mean(), 4) if len(controls) else None,
+                 "n_controls": len(controls), "frac_recomputed": _num(ran.frac_recomputed.mean(), 4),
+                 "wall_s": _num(ran["wall_s"].mean(), 6) if "wall_s" in ran else None}
+        if "decide_s" in ran:
+            entry["decide_s"] = _num(ran["decide_s"].mean(), 6)
+        entry["n_errors"] = len(g) - len(ran)
+        out.append(entry)
+    return out
+
+
 def topk_config(edits: pd.DataFrame, fingerprint: dict, rule: dict, kinds_at_top: dict, max_downstream: int,
-                erratum_template: str, threshold: float = 0.95, n_layers: int | None = None) -> dict:
-    """The YAML-ready configuration (see module docstring)."""
+                erratum_template: str, threshold: float = 0.95, n_layers: int | None = None,
+                strategies: list[dict] | None = None) -> dict:
+    """The YAML-ready configuration (see module docstring); ``strategies`` is :func:`strategy_evidence`'s."""
     sweep = k_sweep(edits)
     if isinstance(rule.get("scores"), dict):  # best first (JSON storage sorts keys alphabetically)
         rule = {**rule, "scores": dict(sorted(rule["scores"].items(), key=lambda kv: -kv[1]))}
@@ -60,6 +115,7 @@ def topk_config(edits: pd.DataFrame, fingerprint: dict, rule: dict, kinds_at_top
         cfg.update(k_star=None, reason=(f"no K up to {tried} (downstream length up to {max_downstream}) reached "
                                         f"agreement >= {threshold} with the oracle" if len(sweep)
                                         else "no selective:K:causal results on held-out cases"))
+    cfg["strategies"] = strategies or []
     return cfg
 
 
@@ -76,17 +132,23 @@ def write_topk(cfg: dict, path: Path | str) -> Path:
 
 EDITS_COLUMNS = ("case_id", "strategy", "ranking", "cot", "k", "agree", "recovery", "frac_recomputed", "valid",
                  "control")
+SWEEP_COLUMNS = ("case_id", "measure", "name", "agree", "valid", "control", "frac_recomputed", "wall_s")
 
 
 def export_topk(results_dir: Path | str, out: Path | str | None = None, threshold: float = 0.95) -> Path:
-    """Compute the top-K YAML from a results folder (edits + ranking rule + manifest); returns its path.
-    A folder whose files are missing, unreadable or not what ``kvprobe run`` writes is a one-line
-    :class:`KvprobeError` naming the file."""
+    """Compute the top-K YAML from a ``kvprobe run`` folder (edits + ranking rule + manifest) or a
+    ``kvprobe sweep`` folder (:func:`export_sweep`); returns its path. A folder whose files are
+    missing, unreadable or not what those commands write is a one-line :class:`KvprobeError`
+    naming the file."""
     results_dir = Path(results_dir)
     if not results_dir.is_dir():
         raise KvprobeError(f"results folder not found: {results_dir}")
+    if not (results_dir / MANIFEST).exists() and ((results_dir / SWEEP_CLAIM).exists()
+                                                   or (results_dir / SWEEP_MANIFEST).exists()):
+        return export_sweep(results_dir, out, threshold)
     if not (results_dir / MANIFEST).exists():
-        raise KvprobeError(f"{results_dir} is not a kvprobe results folder (no {MANIFEST}); run `kvprobe run` first")
+        raise KvprobeError(f"{results_dir} is not a kvprobe results folder (no {MANIFEST} or {SWEEP_MANIFEST}); "
+                           f"run `kvprobe run` or `kvprobe sweep` first")
     for name in (EDITS, RANKING_RULE):
         if not (results_dir / name).exists():
             raise KvprobeError(f"{results_dir} has no {name}: run `kvprobe run` with the editor and locality probe")
@@ -105,8 +167,42 @@ def export_topk(results_dir: Path | str, out: Path | str | None = None, threshol
     if not isinstance(rule["held_out_cases"], list) or not isinstance(rule["rule"], dict):
         raise KvprobeError(f"{results_dir / RANKING_RULE} is not a ranking rule as `kvprobe run` writes it "
                            f"(held_out_cases must be a list, rule an object); rerun `kvprobe run`")
-    held_out = set(rule["held_out_cases"])
-    edits = edits[edits.case_id.isin(held_out) & edits.valid & ~edits.control]
+    held_out = edits.case_id.isin(set(rule["held_out_cases"]))
+    # every valid control: none is used to learn the ranking
+    evidence = strategy_evidence(edits[(edits.cot == 0) & (held_out | edits.control.astype(bool))])
+    edits = edits[held_out & edits.valid & ~edits.control]
     cfg = topk_config(edits, manifest["model"], rule["rule"], rule["kinds_at_top"], rule["max_downstream"],
-                      config["erratum_template"], threshold, manifest.get("n_layers"))
+                      config["erratum_template"], threshold, manifest.get("n_layers"), evidence)
     return write_topk(cfg, out or results_dir / TOPK_FILE)
+
+
+def export_sweep(folder: Path, out: Path | str | None = None, threshold: float = 0.95) -> Path:
+    """The YAML of a ``kvprobe sweep`` folder: the model fingerprint its manifest holds, ``k_star:
+    null`` (a sweep learns no ranking), and the strategies section over every valid case of every
+    cell (the layouts pooled). The erratum template is the one the sweep's erratum strategies
+    share (null when they use several, or there is none)."""
+    if not (folder / SWEEP_MANIFEST).exists():
+        raise KvprobeError(f"{folder} has no {SWEEP_MANIFEST}: the sweep has not finished; rerun the same "
+                           f"`kvprobe sweep` to finish it")
+    manifest = json_object(folder / SWEEP_MANIFEST, ("kvprobe_sweep", "config", "model"), "a `kvprobe sweep` manifest")
+    if not isinstance(manifest["model"], dict):
+        raise KvprobeError(f"{folder / SWEEP_MANIFEST} is not a `kvprobe sweep` manifest (model is not an object); "
+                           f"rerun `kvprobe sweep`")
+    if not (folder / SWEEP).exists():
+        raise KvprobeError(f"{folder} has no {SWEEP}; rerun the same `kvprobe sweep` to write it")
+    rows = read_table(folder / SWEEP)
+    missing = [c for c in SWEEP_COLUMNS if c not in rows.columns]
+    if missing:
+        raise KvprobeError(f"{folder / SWEEP} is not a `kvprobe sweep` table (no column {', '.join(missing)}); "
+                           f"rerun `kvprobe sweep`")
+    rows = rows[rows.measure == "strategy"]
+    try:
+        templates = {s.text for s in map(parse_strategy, rows["name"].unique()) if isinstance(s, Erratum)}
+    except KvprobeError:
+        raise KvprobeError(f"{folder / SWEEP} names a strategy this kvprobe does not know; rerun `kvprobe sweep`"
+                           ) from None
+    cfg = {"schema_version": SCHEMA_VERSION, "model": manifest["model"], "threshold": threshold,
+           "judged_on": "every valid case of every cell of the sweep (layouts pooled); no chain-of-thought",
+           "erratum_template": templates.pop() if len(templates) == 1 else None,
+           "k_star": None, "reason": NO_RANKING, "strategies": strategy_evidence(rows, "name")}
+    return write_topk(cfg, out or folder / TOPK_FILE)

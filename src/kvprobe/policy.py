@@ -1,0 +1,241 @@
+"""The per-model policy file ``topk.yaml``, read back: what each strategy was measured to do on this
+model, K*, and the causal ranking rule, so code outside ``kvprobe run`` can choose a repair.
+
+    policy = kvprobe.policy.load("results/qwen2.5-0.5b/topk.yaml", lm)   # refuses another model's file
+    policy.cheapest()          # the cheapest strategy that met the file's threshold, or None
+    policy.ranking()           # the learned causal rule, usable as an EditContext ranking
+
+``kvprobe export-topk`` writes the file (:mod:`kvprobe.editor.topk`) from a ``kvprobe run`` folder
+(K*, the rule, and the strategies measured on its held-out cases) or a ``kvprobe sweep`` folder
+(the strategies only). The file's format version and name live here, so the writer and the
+reader share them; so does the ranking rule's data class (:class:`RankingRule`), since applying
+the rule is what a loaded policy does (learning it is :mod:`kvprobe.editor.causal_rule`).
+
+This module imports nothing of :mod:`kvprobe.editor`: the strategies import it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import yaml
+
+from kvprobe.errors import KvprobeError
+
+if TYPE_CHECKING:
+    from kvprobe.datasets import AlignedCase
+
+SCHEMA_VERSION = 2  # 2: the strategies section; a sweep folder exports too
+TOPK_FILE = "topk.yaml"
+HASHES = {"config_hash": "config", "weights_hash": "weights", "tokenizer_hash": "tokenizer"}  # what identifies a model
+KEYS = ("model", "threshold", "k_star", "erratum_template", "strategies")  # besides schema_version
+EVIDENCE_KEYS = ("spec", "agreement", "agreement_ci95", "n", "control_invariance", "n_controls", "frac_recomputed",
+                 "wall_s")
+MIN_CASES = 20  # :meth:`Policy.cheapest` trusts no agreement measured on fewer decision cases
+NOT_CHOSEN = ("stale", "oracle", "hoist", "auto")  # strategy names :meth:`Policy.cheapest` never picks
+EXPORT = "`kvprobe export-topk <results folder>`"
+
+
+# -- the causal ranking rule, as the file stores it ---------------------------------------------
+def bucket(distance: int) -> int:
+    """0 for distance 0, else 1 + floor(log2(distance)): 1, 2-3, 4-7, ..."""
+    return 0 if distance <= 0 else 1 + int(math.log2(distance))
+
+
+def position_key(a: AlignedCase, p: int) -> str:
+    """``kind|after-field bucket|before-decision bucket`` of a downstream position."""
+    return f"{a.kinds[p]}|{bucket(p - a.field[1])}|{bucket(a.decision_pos - 1 - p)}"
+
+
+@dataclass(frozen=True)
+class RankingRule:
+    """Scores by position key; ``rank(a)`` orders a case's downstream positions, best first (unseen
+    keys score 0; ties go to the position nearest the field). Learned by
+    :func:`kvprobe.editor.causal_rule.fit_rule`."""
+
+    scores: Mapping[str, float]
+    n_cases: int
+
+    def rank(self, a: AlignedCase) -> list[int]:
+        down = range(*a.downstream)
+        return sorted(down, key=lambda p: (-self.scores.get(position_key(a, p), 0.0), p))
+
+    def __call__(self, ctx) -> list[int]:  # usable as an EditContext ranking
+        return self.rank(ctx.a)
+
+    def as_dict(self) -> dict:
+        top = sorted(self.scores.items(), key=lambda kv: -kv[1])
+        return {"kind": "position-key table", "key": "token_kind|log2 distance after field|log2 distance before decision",
+                "n_training_cases": self.n_cases, "scores": {k: round(v, 6) for k, v in top}}
+
+
+# -- the file, read back ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Evidence:
+    """One ``strategies`` entry: how one strategy did against the oracle (full re-prefill) on this model.
+
+    ``agreement`` is the share of valid decision cases whose decision agrees with the oracle's, with
+    its Wilson 95% interval, over ``n`` cases; ``control_invariance`` the share of valid control cases
+    (the value changes, the answer must not) that kept their answer, over ``n_controls`` (None without
+    controls); ``frac_recomputed`` the mean share of prompt positions recomputed; ``wall_s`` and
+    ``decide_s`` the mean repair time and the mean time to feed the tail and read the decision, in
+    seconds (None where not measured); ``n_errors`` the cases the strategy could not repair (left out
+    of everything else).
+    """
+
+    spec: str
+    agreement: float | None
+    agreement_ci95: tuple[float, float] | None
+    n: int
+    control_invariance: float | None
+    n_controls: int
+    frac_recomputed: float | None
+    wall_s: float | None
+    decide_s: float | None = None
+    n_errors: int = 0
+
+    @property
+    def name(self) -> str:
+        """The strategy's name: its spec up to the first ``:`` (``selective`` of ``selective:8:causal``)."""
+        return self.spec.partition(":")[0]
+
+    def describe(self) -> str:
+        """One line: ``erratum_turn: agreement 0.98 [0.95, 0.99] on 180 cases, controls 12/13, recomputed 0.15``."""
+        agree = "agreement n/a" if self.agreement is None else f"agreement {self.agreement:.2f}"
+        if self.agreement_ci95 is not None:
+            agree += f" [{self.agreement_ci95[0]:.2f}, {self.agreement_ci95[1]:.2f}]"
+        controls = ("no controls" if self.control_invariance is None
+                    else f"controls {round(self.control_invariance * self.n_controls)}/{self.n_controls}")
+        cost = "recomputed n/a" if self.frac_recomputed is None else f"recomputed {self.frac_recomputed:.2f}"
+        errors = f", {self.n_errors} not repaired" if self.n_errors else ""
+        return f"{self.spec}: {agree} on {self.n} cases, {controls}, {cost}{errors}"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A loaded ``topk.yaml`` (see :func:`load`). ``model`` is the fingerprint the file was exported
+    for; ``rule`` the stored ranking rule (None for a sweep's file); ``reason`` why there is no K*."""
+
+    path: Path
+    model: dict
+    threshold: float
+    k_star: int | None
+    rule: dict | None
+    strategies: tuple[Evidence, ...]
+    erratum_template: str | None
+    reason: str | None = None
+
+    def ranking(self) -> RankingRule:
+        """The learned causal ranking rule (usable as an EditContext ranking, e.g. for
+        ``selective:K:causal``); a one-line error when the file holds none, or one learned from no case."""
+        rule = self.rule or {}
+        if not isinstance(rule.get("scores"), dict) or not rule.get("n_training_cases"):
+            why = rule.get("note") or self.reason or "no ranking_rule"
+            raise KvprobeError(f"{self.path} has no learned causal ranking rule ({why}); export one from a "
+                               f"`kvprobe run` folder with the locality probe")
+        return RankingRule({str(k): float(v) for k, v in rule["scores"].items()}, int(rule["n_training_cases"]))
+
+    def cheapest(self, threshold: float | None = None, min_cases: int = MIN_CASES) -> Evidence | None:
+        """The measured strategy that recomputes the least while it agrees with the oracle well enough.
+
+        Candidates: every strategy in the file except ``stale`` and ``oracle`` (the two ends),
+        ``hoist`` (it needs a rewritten prompt) and ``auto`` (any spec starting with "auto": a
+        chooser, not a repair). One qualifies when its ``agreement`` is at least ``threshold``
+        (default: the file's) and its ``control_invariance`` is None (no controls measured) or at
+        least ``threshold`` too, and its agreement was measured on at least ``min_cases`` decision
+        cases (:data:`MIN_CASES`: one disagreement in 20 is already 0.95). Of those, the lowest
+        ``frac_recomputed`` wins; ties go to the higher agreement, then to the earlier entry. None
+        when no strategy qualifies.
+        """
+        threshold = self.threshold if threshold is None else threshold
+        qualified = [e for e in self.strategies
+                     if e.name not in NOT_CHOSEN and not e.spec.startswith("auto") and e.frac_recomputed is not None
+                     and e.agreement is not None and e.agreement >= threshold and e.n >= min_cases
+                     and (e.control_invariance is None or e.control_invariance >= threshold)]
+        return min(qualified, key=lambda e: (e.frac_recomputed, -e.agreement), default=None)
+
+
+def load(path: Path | str, lm) -> Policy:
+    """Read a ``topk.yaml`` for the model ``lm`` (a LoadedModel).
+
+    Refused, in one line (:class:`~kvprobe.errors.KvprobeError`): a missing file, a file that is
+    not YAML, one that is not a topk.yaml of this schema version (``kvprobe export-topk`` rewrites
+    it), and one exported for another model. The model is compared by its config, weights and
+    tokenizer hashes (``lm.fingerprint()``), not by its spec, so a model loaded from another path
+    matches its own file. ``lm=None`` skips that check (for reading a file without its model).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise KvprobeError(f"policy file not found: {path}; {EXPORT} writes one")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KvprobeError(f"{path} cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark is not None else ""
+        raise KvprobeError(f"{path} is not valid YAML ({where}{getattr(exc, 'problem', None) or exc}); "
+                           f"{EXPORT} rewrites it") from None
+    if not isinstance(data, dict) or "schema_version" not in data:
+        raise KvprobeError(f"{path} is not a topk.yaml (no schema_version); {EXPORT} writes one")
+    if data["schema_version"] != SCHEMA_VERSION:
+        raise KvprobeError(f"{path} has schema_version {data['schema_version']!r}, this kvprobe reads "
+                           f"{SCHEMA_VERSION}; {EXPORT} rewrites it")
+    missing = [k for k in KEYS if k not in data]
+    model = data.get("model")
+    if not missing and not (isinstance(model, dict) and all(isinstance(model.get(h), str) for h in HASHES)):
+        missing = [f"model.{h}" for h in HASHES if not isinstance(model, dict) or not isinstance(model.get(h), str)]
+    if missing:
+        raise KvprobeError(f"{path} is not a topk.yaml (no {', '.join(missing)}); {EXPORT} rewrites it")
+    if lm is not None:
+        check_model(path, model, lm.fingerprint())
+    return Policy(path=path, model=model, threshold=_number(path, "threshold", data["threshold"]),
+                  k_star=data["k_star"], rule=data.get("ranking_rule"),
+                  strategies=tuple(_evidence(path, i, e) for i, e in enumerate(_list(path, data["strategies"]))),
+                  erratum_template=data["erratum_template"], reason=data.get("reason"))
+
+
+def check_model(path: Path, stored: dict, mine: dict) -> None:
+    """Refuse a file whose model hashes differ from ``mine`` (a fingerprint), naming the first that differs."""
+    differ = [h for h in HASHES if stored.get(h) != mine.get(h)]
+    if differ:
+        h = "weights_hash" if "weights_hash" in differ else differ[0]
+        raise KvprobeError(f"{path} is for model {stored.get('spec', '?')} ({HASHES[h]} {str(stored[h])[:8]}..), "
+                           f"not this model ({mine.get('spec', '?')}, {HASHES[h]} {str(mine.get(h))[:8]}..); "
+                           f"export one from a results folder of this model")
+
+
+def _number(path: Path, key: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise KvprobeError(f"{path} is not a topk.yaml ({key} is {value!r}, not a number); {EXPORT} rewrites it")
+    return float(value)
+
+
+def _list(path: Path, value) -> list:
+    if not isinstance(value, list):
+        raise KvprobeError(f"{path} is not a topk.yaml (strategies is not a list); {EXPORT} rewrites it")
+    return value
+
+
+def _evidence(path: Path, i: int, entry) -> Evidence:
+    missing = [k for k in EVIDENCE_KEYS if k not in entry] if isinstance(entry, dict) else list(EVIDENCE_KEYS)
+    if missing:
+        raise KvprobeError(f"{path} is not a topk.yaml (strategies entry {i + 1} has no {', '.join(missing)}); "
+                           f"{EXPORT} rewrites it")
+    def opt(key: str) -> float | None:
+        return None if entry.get(key) is None else float(entry[key])
+
+    try:
+        ci = entry["agreement_ci95"]
+        return Evidence(spec=str(entry["spec"]), agreement=opt("agreement"),
+                        agreement_ci95=None if ci is None else (float(ci[0]), float(ci[1])), n=int(entry["n"]),
+                        control_invariance=opt("control_invariance"), n_controls=int(entry["n_controls"]),
+                        frac_recomputed=opt("frac_recomputed"), wall_s=opt("wall_s"), decide_s=opt("decide_s"),
+                        n_errors=int(entry.get("n_errors") or 0))
+    except (TypeError, ValueError, IndexError, KeyError):
+        raise KvprobeError(f"{path} is not a topk.yaml (strategies entry {i + 1}, {entry.get('spec')!r}, holds a "
+                           f"value that is not a number); {EXPORT} rewrites it") from None

@@ -1,0 +1,245 @@
+"""The per-model policy file: ``export_topk`` writes the strategies section from a run folder and a
+sweep folder (checked against a hand computation), :func:`kvprobe.policy.load` reads it back for
+its own model only, ``cheapest`` picks by the documented rule, ``ranking`` ranks, and every
+refusal is one line. The folders are synthetic tables, so no model runs."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+import yaml
+
+from kvprobe import policy as P
+from kvprobe.datasets import ERRATUM_TEMPLATES
+from kvprobe.editor.causal_rule import RankingRule
+from kvprobe.editor.topk import NO_RANKING, export_topk
+from kvprobe.errors import KvprobeError
+from kvprobe.results import (
+    EDITS,
+    MANIFEST,
+    RANKING_RULE,
+    SWEEP,
+    SWEEP_CLAIM,
+    SWEEP_MANIFEST,
+)
+from tests.conftest import tiny_model
+
+HELD = ["h1", "h2", "h3", "h4"]
+CONTROLS = ["c1", "c2"]
+SCORES = {"word|2|1": 0.1, "newline|1|2": 0.5}
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_model("tiny-qwen2")
+
+
+def _row(case_id: str, strategy: str, agree, frac: float, *, control: bool = False, valid: bool = True,
+         cot: int = 0, ranking=None, k=None, wall: float = 0.01) -> dict:
+    return {"model": "tiny-qwen2", "case_id": case_id, "strategy": strategy, "k": k, "ranking": ranking,
+            "agree": agree, "recovery": float(bool(agree)) if agree is not None else None,
+            "frac_recomputed": frac, "wall_s": wall, "decide_s": wall / 2, "error": None if agree is not None
+            else "cannot rewrite", "control": control, "cot": cot, "valid": valid}
+
+
+def run_edits() -> pd.DataFrame:
+    """Held-out decision cases h1-h4, controls c1-c2; rows that must not count: the ranking case r1,
+    the invalid case h5 and a chain-of-thought row."""
+    rows = []
+    for c in HELD + CONTROLS:
+        ctl = c in CONTROLS
+        rows += [_row(c, "stale", ctl, 0.0, control=ctl), _row(c, "oracle", True, 1.0, control=ctl),
+                 _row(c, "cacheblend:0.15", True, 0.2, control=ctl), _row(c, "auto", True, 0.01, control=ctl),
+                 _row(c, "hoist", None if c == "h1" else True, 0.01, control=ctl)]
+    frac = {"h1": 0.04, "h2": 0.05, "h3": 0.06, "h4": 0.05, "c1": 0.05, "c2": 0.05}
+    rows += [_row(c, "field_only", c != "h4", frac[c], control=c in CONTROLS) for c in HELD + CONTROLS]
+    wall = {"h1": 0.1, "h2": 0.2, "h3": 0.3, "h4": 0.4, "c1": 0.5, "c2": 0.6}
+    rows += [_row(c, "erratum_turn", c != "c2", 0.1, control=c in CONTROLS, wall=wall[c]) for c in HELD + CONTROLS]
+    rows += [_row(c, "selective:2:causal", True, 0.12, ranking="causal", k=2) for c in HELD]
+    rows += [_row("r1", s, False, 0.9) for s in ("field_only", "erratum_turn", "cacheblend:0.15")]
+    rows += [_row("h5", s, False, 0.9, valid=False) for s in ("field_only", "erratum_turn", "selective:2:causal")]
+    rows += [_row("h1", s, False, 0.9, cot=8) for s in ("field_only", "erratum_turn")]
+    return pd.DataFrame(rows)
+
+
+def run_folder(folder, fingerprint: dict):
+    folder.mkdir()
+    (folder / MANIFEST).write_text(json.dumps({
+        "kvprobe_run": 1, "config": {"model": fingerprint["spec"], "erratum_template": ERRATUM_TEMPLATES["short"]},
+        "model": fingerprint, "n_layers": 2}))
+    (folder / RANKING_RULE).write_text(json.dumps({
+        "rule": {"kind": "position-key table", "n_training_cases": 3, "scores": SCORES}, "ranking_cases": ["r1"],
+        "held_out_cases": HELD + ["h5"], "kinds_at_top": {"newline": 1.0}, "max_downstream": 5}))
+    run_edits().to_parquet(folder / EDITS)
+    return folder
+
+
+def sweep_folder(folder, fingerprint: dict):
+    """Two cells; stale and oracle derived from the patch reads (no wall time), one error row."""
+    folder.mkdir()
+    (folder / SWEEP_CLAIM).write_text(json.dumps({"model": fingerprint["spec"]}))
+    (folder / SWEEP_MANIFEST).write_text(json.dumps({"kvprobe_sweep": 1, "config": {"model": fingerprint["spec"]},
+                                                     "model": fingerprint}))
+    rows = []
+    for cell in ("record.f0", "lines.f0"):
+        for i, control in enumerate((False, False, True)):
+            case = f"{cell}.{i}"
+            base = {"cell": cell, "case_id": case, "control": control, "valid": True, "error": None}
+            rows.append({**base, "measure": "patch", "name": "field", "agree": 0.0, "frac_recomputed": None,
+                         "wall_s": None})
+            rows += [{**base, "measure": "strategy", "name": "stale", "agree": float(control), "frac_recomputed": 0.0,
+                      "wall_s": None},
+                     {**base, "measure": "strategy", "name": "oracle", "agree": 1.0, "frac_recomputed": 1.0,
+                      "wall_s": None},
+                     {**base, "measure": "strategy", "name": "erratum", "agree": float(i != 1),
+                      "frac_recomputed": 0.3, "wall_s": 0.2}]
+            turn = {**base, "measure": "strategy", "name": "erratum_turn", "agree": 1.0, "frac_recomputed": 0.25,
+                    "wall_s": 0.1}
+            rows.append(turn if (cell, i) != ("lines.f0", 0) else
+                        {**turn, "agree": None, "frac_recomputed": None, "wall_s": None, "error": "no second turn"})
+        rows.append({"cell": cell, "case_id": f"{cell}.bad", "control": False, "valid": False, "error": None,
+                     "measure": "patch", "name": "field", "agree": 1.0, "frac_recomputed": None, "wall_s": None})
+    pd.DataFrame(rows).to_parquet(folder / SWEEP)
+    return folder
+
+
+def entry(cfg: dict, spec: str) -> dict:
+    return next(e for e in cfg["strategies"] if e["spec"] == spec)
+
+
+# -- export: the strategies section, by hand ---------------------------------------------------------
+def test_run_folder_export_keeps_topk_and_adds_the_strategies(lm, tmp_path):
+    path = export_topk(run_folder(tmp_path / "run", lm.fingerprint()))
+    cfg = yaml.safe_load(path.read_text())
+    assert cfg["schema_version"] == 2 and cfg["model"] == lm.fingerprint()
+    assert list(cfg)[:10] == ["schema_version", "model", "threshold", "judged_on", "ranking_rule", "recompute",
+                              "token_kinds_at_top", "erratum_template", "k_sweep", "k_star"]
+    assert cfg["k_star"] == 2 and cfg["n_cases"] == 4 and cfg["agreement"] == 1.0  # held-out, valid, no CoT
+    assert cfg["erratum_template"] == ERRATUM_TEMPLATES["short"]
+    assert [e["spec"] for e in cfg["strategies"]] == ["stale", "oracle", "cacheblend:0.15", "auto", "hoist",
+                                                      "field_only", "erratum_turn", "selective:2:causal"]
+    turn = entry(cfg, "erratum_turn")  # r1 (ranking half), h5 (invalid) and the CoT rows left out
+    assert turn == {"spec": "erratum_turn", "agreement": 1.0, "agreement_ci95": [0.5101, 1.0], "n": 4,
+                    "control_invariance": 0.5, "n_controls": 2, "frac_recomputed": 0.1,
+                    "wall_s": pytest.approx(0.35), "decide_s": pytest.approx(0.175), "n_errors": 0}
+    field = entry(cfg, "field_only")
+    assert field["agreement"] == 0.75 and field["agreement_ci95"] == [0.3006, 0.9544]
+    assert field["control_invariance"] == 1.0 and field["frac_recomputed"] == pytest.approx(0.05)
+    stale = entry(cfg, "stale")
+    assert stale["agreement"] == 0.0 and stale["control_invariance"] == 1.0
+    selective = entry(cfg, "selective:2:causal")
+    assert selective["n"] == 4 and selective["n_controls"] == 0 and selective["control_invariance"] is None
+    hoist = entry(cfg, "hoist")  # its error row counts as an error, not as a disagreement
+    assert hoist["n"] == 3 and hoist["n_errors"] == 1 and hoist["agreement"] == 1.0
+
+
+def test_sweep_folder_export(lm, tmp_path):
+    path = export_topk(sweep_folder(tmp_path / "sweep", lm.fingerprint()))
+    assert path == tmp_path / "sweep" / "topk.yaml"
+    cfg = yaml.safe_load(path.read_text())
+    assert cfg["schema_version"] == 2 and cfg["model"] == lm.fingerprint()
+    assert cfg["k_star"] is None and cfg["reason"] == NO_RANKING and "ranking_rule" not in cfg
+    assert cfg["erratum_template"] == ERRATUM_TEMPLATES["paper"]  # the one the erratum strategies share
+    assert [e["spec"] for e in cfg["strategies"]] == ["stale", "oracle", "erratum", "erratum_turn"]
+    erratum = entry(cfg, "erratum")  # both cells pooled: cases 0 and 1 are decisions, case 2 a control
+    assert erratum["n"] == 4 and erratum["agreement"] == 0.5 and erratum["control_invariance"] == 1.0
+    assert erratum["n_controls"] == 2 and erratum["wall_s"] == 0.2 and "decide_s" not in erratum
+    turn = entry(cfg, "erratum_turn")
+    assert turn["n"] == 3 and turn["n_errors"] == 1 and turn["agreement_ci95"] == [0.4385, 1.0]
+    assert entry(cfg, "stale")["wall_s"] is None  # derived from the patch read: not timed
+
+
+# -- load, cheapest, ranking -----------------------------------------------------------------------
+def test_load_cheapest_and_ranking(lm, tmp_path):
+    policy = P.load(export_topk(run_folder(tmp_path / "run", lm.fingerprint())), lm)
+    assert policy.k_star == 2 and policy.threshold == 0.95 and len(policy.strategies) == 8
+    turn = next(e for e in policy.strategies if e.spec == "erratum_turn")
+    assert turn.agreement_ci95 == (0.5101, 1.0) and turn.name == "erratum_turn"
+    assert turn.describe() == ("erratum_turn: agreement 1.00 [0.51, 1.00] on 4 cases, controls 1/2, "
+                               "recomputed 0.10")
+    # 0.95: erratum_turn changes a control's answer; auto and hoist are never chosen; selective beats cacheblend
+    assert policy.cheapest() is None  # 4 decision cases: under MIN_CASES, nothing is trusted
+    assert policy.cheapest(min_cases=4).spec == "selective:2:causal"
+    assert policy.cheapest(0.5, min_cases=4).spec == "field_only"  # 0.75 agreement, controls kept, 0.05 recomputed
+    assert policy.cheapest(1.01, min_cases=1) is None
+    rule = policy.ranking()
+    assert isinstance(rule, RankingRule) and rule.n_cases == 3 and dict(rule.scores) == SCORES
+    a = SimpleNamespace(kinds={4: "word", 5: "newline", 6: "word"}, field=(2, 4), decision_pos=8, downstream=(4, 7))
+    # keys: 4 -> word|0|2 (unseen: 0), 5 -> newline|1|2 (0.5), 6 -> word|2|1 (0.1)
+    assert rule.rank(a) == [5, 6, 4] and rule(SimpleNamespace(a=a)) == [5, 6, 4]
+    assert P.load(policy.path, None).strategies == policy.strategies  # lm=None: no fingerprint check
+
+
+def test_sweep_policy_has_evidence_but_no_ranking(lm, tmp_path):
+    policy = P.load(export_topk(sweep_folder(tmp_path / "sweep", lm.fingerprint())), lm)
+    assert policy.rule is None and policy.cheapest(min_cases=3).spec == "erratum_turn"  # 3/3, controls kept, 0.25
+    assert policy.cheapest(1.01, min_cases=1) is None
+    with pytest.raises(KvprobeError, match=f"no learned causal ranking rule \\({NO_RANKING}\\)"):
+        policy.ranking()
+
+
+# -- refusals: one line each ------------------------------------------------------------------------
+def refused(path, lm, *needles: str) -> str:
+    with pytest.raises(KvprobeError) as exc:
+        P.load(path, lm)
+    text = str(exc.value)
+    assert "\n" not in text and all(n in text for n in needles), text
+    return text
+
+
+def test_a_file_for_another_model_is_refused(lm, tmp_path):
+    path = export_topk(run_folder(tmp_path / "run", lm.fingerprint()))
+    other = tiny_model("tiny-llama")
+    refused(path, other, "is for model tiny-qwen2 (weights", "not this model (tiny-llama, weights",
+            "export one from a results folder of this model")
+    cfg = yaml.safe_load(path.read_text())
+    cfg["model"] = {**cfg["model"], "spec": "/somewhere/else"}  # another spec, same model: accepted
+    path.write_text(yaml.safe_dump(cfg))
+    assert P.load(path, lm).model["spec"] == "/somewhere/else"
+    cfg["model"]["tokenizer_hash"] = "0" * 16
+    path.write_text(yaml.safe_dump(cfg))
+    refused(path, lm, "(tokenizer 00000000..)")
+
+
+def test_bad_files_are_refused_in_one_line(lm, tmp_path):
+    refused(tmp_path / "nope.yaml", lm, "policy file not found", "kvprobe export-topk")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("schema_version: 2\nmodel: [1, 2\n")
+    refused(broken, lm, "is not valid YAML (line")
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump({"schema_version": 1, "k_star": 8, "erratum_template": "x"}))
+    refused(old, lm, "has schema_version 1, this kvprobe reads 2", "`kvprobe export-topk <results folder>` rewrites")
+    other = tmp_path / "other.yaml"
+    other.write_text("a: 1\n")
+    refused(other, lm, "is not a topk.yaml (no schema_version)")
+    partial = tmp_path / "partial.yaml"
+    partial.write_text(yaml.safe_dump({"schema_version": 2, "model": {"spec": "x"}, "threshold": 0.9, "k_star": None,
+                                       "erratum_template": None, "strategies": [{"spec": "stale"}]}))
+    refused(partial, lm, "no model.config_hash, model.weights_hash, model.tokenizer_hash")
+    cfg = yaml.safe_load(partial.read_text())
+    cfg["model"] = lm.fingerprint()
+    partial.write_text(yaml.safe_dump(cfg))
+    refused(partial, lm, "strategies entry 1 has no agreement")
+
+
+def test_export_topk_cli_on_a_sweep_folder(lm, tmp_path):
+    from typer.testing import CliRunner
+
+    from kvprobe.cli.app import app
+
+    folder = sweep_folder(tmp_path / "sweep", lm.fingerprint())
+    res = CliRunner().invoke(app, ["export-topk", str(folder)])
+    assert res.exit_code == 0, res.output
+    assert (folder / "topk.yaml").exists() and "strategies:" in res.output
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "notes.txt").write_text("x")
+    res = CliRunner().invoke(app, ["export-topk", str(junk)])
+    assert isinstance(res.exception, KvprobeError)
+    assert "is not a kvprobe results folder (no manifest.json or sweep_manifest.json)" in str(res.exception)
+    (folder / SWEEP_MANIFEST).unlink()  # a sweep that has not finished
+    res = CliRunner().invoke(app, ["export-topk", str(folder)])
+    assert isinstance(res.exception, KvprobeError) and "the sweep has not finished" in str(res.exception)
