@@ -33,6 +33,8 @@ def sweep(model: opt.Model = opt.DEFAULTS["model"],
           strategies: str = typer.Option(",".join(SWEEP_STRATEGIES), help="comma-separated edit strategy specs "
                                                                           "(`kvprobe strategies` lists them)"),
           min_flip: opt.MinFlip = opt.DEFAULTS["min_flip"],
+          time_all: bool = typer.Option(False, "--time-all", help="run and time stale, field_only and oracle as "
+                                        "strategies too, instead of reading them off the shared patch reads"),
           out: opt.Out = None,
           report: bool = typer.Option(True, help="write report.html at the end"),
           allow_failed_toy: opt.AllowFailedToy = False) -> None:
@@ -54,11 +56,11 @@ def sweep(model: opt.Model = opt.DEFAULTS["model"],
                           filler_tokens=opt.parse_ints(filler_tokens, "--filler-tokens"),
                           field_styles=opt.parse_csv(field_styles), rule_styles=opt.parse_csv(rule_styles), n=n,
                           valid=valid, controls=controls, seed=seed, form=form,
-                          strategies=opt.parse_csv(strategies), min_flip=min_flip)
+                          strategies=opt.parse_csv(strategies), min_flip=min_flip, time_all=time_all)
     except ValidationError as exc:
         raise UsageError.from_validation(exc, "sweep") from None
     out = usable_out(out or opt.default_out("sweep", model))
-    check_claim(out, SWEEP_CLAIM, cfg.model_dump(), held="sweep with other settings")  # before loading the model
+    check_claim(out, SWEEP_CLAIM, cfg.settings(), held="sweep with other settings")  # before loading the model
     lm = load_with_status(model, cfg.dtype, cfg.device, allow_failed_toy=allow_failed_toy)
     with progress_bar() as bar:
         def progress(cell: str, total: int):

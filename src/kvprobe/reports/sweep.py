@@ -374,7 +374,8 @@ def _lines(data: pd.DataFrame, key: str, layouts: list[str], variants: list[tupl
                 elif len(band) == 1:  # one length: the CI as an error bar
                     r = band.iloc[0]
                     ax.errorbar([r.downstream_tokens], [r[value]], color=palette[layout], lw=0.8, capsize=2,
-                                yerr=[[r[value] - r[lo_col]], [r[hi_col] - r[value]]], fmt="none")
+                                yerr=[[max(r[value] - r[lo_col], 0)], [max(r[hi_col] - r[value], 0)]],  # rounding
+                                fmt="none")
             if len(panel):
                 sns.lineplot(data=panel, x="downstream_tokens", y=value, hue="layout",
                              hue_order=[x for x in layouts if x in set(panel.layout)], palette=palette, style="name",

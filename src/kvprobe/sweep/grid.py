@@ -75,6 +75,14 @@ class SweepConfig(BaseModel):
     min_flip: float = Field(DEFAULT_MIN_FLIP, ge=0)
     dtype: str = "float32"
     device: str = "cpu"
+    time_all: bool = False  # run (and time) stale, field_only and oracle instead of reading them off the patches
+
+    def settings(self) -> dict:
+        """The settings a folder is claimed with (``time_all`` only when set, so older folders resume)."""
+        out = self.model_dump()
+        if not out["time_all"]:
+            del out["time_all"]
+        return out
 
     @field_validator("layouts", "field_styles", "rule_styles")
     @classmethod
@@ -142,7 +150,7 @@ def run_sweep(cfg: SweepConfig, lm, out: Path | str, progress: Callable[[str, in
         raise CheckFailed(f"no case of the sweep aligns under {cfg.model}'s tokenizer (most often: "
                           f"{reasons.index[0] if len(reasons) else 'no cases'}); try another --form or layout")
     out.mkdir(parents=True, exist_ok=True)
-    claim_folder(out, SWEEP_CLAIM, cfg.model_dump(), held="sweep with other settings")
+    claim_folder(out, SWEEP_CLAIM, cfg.settings(), held="sweep with other settings")
     frames, record = [], {}
     t_start = time.perf_counter()
     for cell, aligned, skipped in prepared:
@@ -157,7 +165,7 @@ def run_sweep(cfg: SweepConfig, lm, out: Path | str, progress: Callable[[str, in
                 df = store.load(key)
                 resumed += 1
             else:
-                df = measure_case(lm, a, strategies, cfg.min_flip)
+                df = measure_case(lm, a, strategies, cfg.min_flip, derive=not cfg.time_all)
                 store.save(key, df)
             rows.append(df)
             is_valid = bool(df.valid.iloc[0]) and not bool(df.control.iloc[0])

@@ -28,9 +28,9 @@ import pandas as pd
 
 from kvprobe.datasets import AlignedCase
 from kvprobe.editor.context import EditContext
-from kvprobe.editor.strategies import Oracle, Strategy, apply
+from kvprobe.editor.strategies import Strategy, apply
 from kvprobe.errors import KvprobeError
-from kvprobe.kv.decode import Edited, decide
+from kvprobe.kv.decode import decide
 from kvprobe.kv.readout import answer_targets, logit_diff, predicted
 from kvprobe.metrics import recovery
 from kvprobe.probes.engine import PairCaches, Patch, patched_reads
@@ -39,7 +39,7 @@ DOWNSTREAM_KINDS = ("newline", "punct", "section", "word")
 SAME_AS_PATCH = {"stale": "none", "field_only": "field", "oracle": "all"}  # strategy -> the patch read it equals
 COLUMNS = ["case_id", "domain", "field", "control", "valid", "n_tokens", "field_tokens", "downstream_tokens",
            "measure", "name", "m", "m_stale", "m_oracle", "oracle_flip", "recovery", "agree", "frac_recomputed",
-           "wall_s", "error", "case_s"]
+           "wall_s", "chose", "error", "case_s"]
 
 
 def patch_sets(a: AlignedCase) -> list[tuple[str, Patch]]:
@@ -84,10 +84,7 @@ def measure_case(lm, a: AlignedCase, strategies: Sequence[Strategy], min_flip: f
                 continue
             t0 = time.perf_counter()
             try:
-                if isinstance(s, Oracle):  # the new prompt's cache is the oracle's; decide() restores it
-                    edited = Edited(pc.new, [a.ids_new[a.decision_pos]], a.decision_pos, a.decision_pos + 1)
-                else:
-                    edited = apply(ctx, s)
+                edited = apply(ctx, s)  # the oracle too: a full prefill, timed like the others
                 lg, _ = decide(lm, edited, 0)
             except KvprobeError as exc:  # e.g. a chat template that refuses a second user turn
                 rows.append({"measure": "strategy", "name": s.label, "error": str(exc)})
@@ -97,7 +94,7 @@ def measure_case(lm, a: AlignedCase, strategies: Sequence[Strategy], min_flip: f
                          "recovery": recovery(m, m_stale, m_oracle, min_flip),
                          "agree": float(pred_of(lg[None])[0] == pred_oracle),
                          "frac_recomputed": float(edited.recomputed) / edited.total,
-                         "wall_s": time.perf_counter() - t0})
+                         "wall_s": time.perf_counter() - t0, "chose": edited.chose or None})
     df = pd.DataFrame(rows)
     f0, f1 = a.field
     d0, d1 = a.downstream
