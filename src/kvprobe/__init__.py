@@ -1,2 +1,25 @@
-"""kvprobe: probe, edit and compose a language model KV cache."""
+"""kvprobe: probe, edit and compose a language model KV cache.
+
+The front door (docs/api.md)::
+
+    import kvprobe
+    lm = kvprobe.load("qwen2.5-1.5b")           # a spec, a transformers model + tokenizer, or nnsight's LanguageModel
+    ctx = kvprobe.EditableContext(lm)
+    ...
+
+``load``, ``EditableContext`` and ``policy`` are imported on first use, so ``import kvprobe``
+(and the command line's help) stays fast.
+"""
+
 __version__ = "0.1.0"
+__all__ = ["EditState", "EditableContext", "load", "policy"]
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name in ("EditState", "EditableContext", "load"):
+        return getattr(importlib.import_module("kvprobe.api"), name)
+    if name == "policy":
+        return importlib.import_module("kvprobe.policy")
+    raise AttributeError(f"module 'kvprobe' has no attribute {name!r}")

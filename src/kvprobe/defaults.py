@@ -10,6 +10,9 @@ DEFAULT_FORM = "auto"  # chat where the tokenizer has a template, else raw
 # the strategies a run or an edit uses unless told otherwise (specs of kvprobe.editor.strategies)
 DEFAULT_STRATEGIES = ("stale", "field_only", "selective:8:attention", "selective:8:random", "cacheblend:0.15",
                       "erratum", "field_erratum", "hoist", "oracle")
+# kvprobe diagnose: every strategy that runs on a user's prompt (auto and oracle are added)
+DIAGNOSE_STRATEGIES = ("stale", "field_only", "selective:8:attention", "cacheblend:0.15", "erratum", "field_erratum",
+                       "erratum_turn", "field_erratum_turn", "auto", "oracle")
 # kvprobe sweep: the grid and the strategies measured per cell
 SWEEP_LAYOUTS = ("record", "lines", "json")
 SWEEP_FILLER_TOKENS = (0, 100, 300)

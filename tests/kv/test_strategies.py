@@ -20,7 +20,7 @@ LABELS = {
     "selective:0:causal": "selective:0:causal", "erratum:paper": "erratum", "cacheblend:0.150": "cacheblend:0.15",
 }
 ONE_OF_EACH = ["stale", "field_only", "selective:8:causal", "cacheblend:0.15", "erratum", "field_erratum:short",
-               "erratum_turn", "field_erratum_turn:short", "hoist", "oracle"]
+               "erratum_turn", "field_erratum_turn:short", "hoist", "oracle", "auto:topk.yaml"]
 
 
 def aligned_case():
@@ -62,7 +62,7 @@ def test_a_bad_spec_names_the_grammar_in_one_line(spec):
     assert str(err.value).endswith(
         "accepted: stale, field_only, selective:K:RANKING (RANKING in causal/random/attention/recency/aggregators), "
         "cacheblend:R (0<R<=1), erratum[:paper|short], field_erratum[:paper|short], erratum_turn[:paper|short], "
-        "field_erratum_turn[:paper|short], hoist, oracle")
+        "field_erratum_turn[:paper|short], hoist, oracle, auto[:TOPK.YAML] (TOPK.YAML a policy file of this model)")
 
 
 def test_a_new_strategy_is_one_class():

@@ -16,6 +16,7 @@ import typer
 from kvprobe import __version__
 from kvprobe.cli.common import console, err_console
 from kvprobe.cli.datasets import datasets_app
+from kvprobe.cli.diagnose import diagnose
 from kvprobe.cli.edit import edit, strategies
 from kvprobe.cli.models import models_app
 from kvprobe.cli.report import report
@@ -44,6 +45,7 @@ app.add_typer(toy_app, name="toy")
 app.command("run")(run)
 app.command("edit")(edit)
 app.command("sweep")(sweep)
+app.command("diagnose")(diagnose)
 app.command("strategies")(strategies)
 app.command("validate")(validate)
 app.command("export-topk")(export_topk)

@@ -15,7 +15,8 @@ from kvprobe.defaults import DEFAULT_FORM, DEFAULT_MIN_FLIP, DEFAULT_MODEL, DEFA
 # shows in `kvprobe strategies`.
 STRATEGY_GRAMMAR = ("stale, field_only, selective:K:RANKING (RANKING in causal/random/attention/recency/"
                     "aggregators), cacheblend:R (0<R<=1), erratum[:paper|short], field_erratum[:paper|short], "
-                    "erratum_turn[:paper|short], field_erratum_turn[:paper|short], hoist, oracle")
+                    "erratum_turn[:paper|short], field_erratum_turn[:paper|short], hoist, oracle, auto[:TOPK.YAML] "
+                    "(TOPK.YAML a policy file of this model)")
 PROBES = "locality, attention, knockout, linear"  # the built-in probes, in the order they run
 
 Model = Annotated[str, typer.Option(help="model spec: a bundled alias, tiny-<family>, toy-<family>, a .gguf "

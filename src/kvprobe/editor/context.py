@@ -21,6 +21,7 @@ class EditContext:
     old_cache: DynamicCache  # ids_old[:D], never modified
     ranking: Callable[["EditContext"], list[int]] | None = None  # the causal ranking, if supplied
     seed: int = 0
+    policy: object | None = None  # a kvprobe.policy.Policy for this model, if one was loaded (auto uses it)
     _attention: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -28,8 +29,8 @@ class EditContext:
         return self.a.decision_pos
 
 
-def make_context(lm, a: AlignedCase, ranking=None, seed: int = 0) -> EditContext:
+def make_context(lm, a: AlignedCase, ranking=None, seed: int = 0, policy=None) -> EditContext:
     """Prefill the old prompt (everything before the decision token) once for all strategies."""
     lm.check_length(len(a.ids_old))
     _, cache = kvcache.prefill(lm.model, torch.tensor(a.ids_old[: a.decision_pos]), logits_to_keep=1)
-    return EditContext(lm, a, cache, ranking, seed)
+    return EditContext(lm, a, cache, ranking, seed, policy)

@@ -46,6 +46,7 @@ def rank_downstream(ctx: EditContext, ranking: str) -> list[int]:
         return [lo + int(i) for i in torch.argsort(att, descending=True, stable=True)]
     if ranking == "causal":
         if ctx.ranking is None:
-            raise KvprobeError("the causal ranking comes from the probes: run `kvprobe run` (or pass a ranking)")
+            raise KvprobeError("the causal ranking is learned by `kvprobe run`: give its topk.yaml (--policy, or "
+                               "EditableContext(policy=...)), or pass a ranking")
         return list(ctx.ranking(ctx))
     raise UsageError(f"unknown ranking {ranking!r}; accepted: {', '.join(RANKINGS)}")

@@ -15,6 +15,7 @@ and returns an :class:`Edited` state. The strategies (the paper's, plus controls
     hoist            the prompt rewritten with the field moved late: recompute from the field on
                      (needs a rewritten prompt: reported as such)
     oracle           full re-prefill of the new prompt
+    auto             choose per edit: a measured policy, then a cheap runtime check (see Auto)
 
 Each is a frozen dataclass registered under its spec name; its fields are the spec's arguments
 in order, so ``Selective(8, "causal").spec == "selective:8:causal"`` and :func:`parse_strategy`
@@ -24,6 +25,7 @@ reads any registered spec without knowing the variants. A new strategy is one cl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -38,10 +40,12 @@ from kvprobe.datasets.render import field_label
 from kvprobe.datasets.spans import prompt_ids
 from kvprobe.editor.context import EditContext
 from kvprobe.editor.rankings import RANKINGS, rank_downstream
+from kvprobe import policy as policies
 from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.kv import cache as kvcache
-from kvprobe.kv.decode import Edited
+from kvprobe.kv.decode import Edited, decide
 from kvprobe.kv.hooks import hooks
+from kvprobe.kv.readout import option_scores
 from kvprobe.kv.recompute import recompute_positions
 
 # -- the registry and the spec grammar --------------------------------------------------------
@@ -327,6 +331,9 @@ class Hoist(Strategy):
 
     @staticmethod
     def _hoisted(lm, a):
+        if not a.case.rule:
+            raise KvprobeError(f"hoist rewrites a generated prompt with its field moved late; case {a.case.case_id} "
+                               f"brings its own prompt, which kvprobe cannot rewrite")
         hoisted = align(a.case.model_copy(update={"field_position": "late"}), lm.tokenizer, a.form)
         if isinstance(hoisted, Skip):
             raise KvprobeError(f"hoist: the rewritten prompt of {a.case.case_id} does not align: {hoisted.reason}")
@@ -350,3 +357,77 @@ class Oracle(Strategy):
     def apply(self, ctx: EditContext) -> Edited:
         _, cache = kvcache.prefill(ctx.lm.model, torch.tensor(ctx.a.ids_new[: ctx.D]), logits_to_keep=1)
         return Edited(cache, [ctx.a.ids_new[ctx.D]], ctx.D, ctx.D + 1)
+
+
+# -- choosing per edit ----------------------------------------------------------------------------
+AUTO_FALLBACK = "erratum_turn"  # without a policy: the best repair of kvprobe's design tables (docs/auto.md)
+_POLICIES: dict = {}  # (path, id(model)) -> its loaded policy: the fingerprint check runs once
+AUTO_CHECK_TOKENS = 2  # the check's two one-token reads (stale and field-only decisions), counted as cost
+
+
+def decision_of(lm, a, edited: Edited) -> tuple[str, float]:
+    """The decision a repaired state reads and its margin: the arg-max option and its score minus
+    the other option's (a case without options: the top token and its lead over the runner-up)."""
+    logits, _ = decide(lm, edited, 0)
+    if a.case.options:
+        scores = option_scores(logits, a.option_ids, a.case.options)
+        top = scores.topk(2)
+        return a.case.options[int(top.indices[0])], float(top.values[0] - top.values[1])
+    top = logits.topk(2)
+    return lm.tokenizer.decode([int(top.indices[0])]), float(top.values[0] - top.values[1])
+
+
+@register("auto")
+@dataclass(frozen=True)
+class Auto(Strategy):
+    """Choose the repair per edit, from evidence, and say which and why (``Edited.chose``, ``note``).
+
+    1. **The measured policy** (``POLICY``, a ``topk.yaml`` of this model, or the context's
+       policy): the cheapest strategy whose held-out agreement and control invariance reach the
+       file's threshold (:meth:`kvprobe.policy.Policy.cheapest`). If that is ``field_only``, it is
+       used as it is. Without a policy the fallback is :data:`AUTO_FALLBACK`; with a policy in
+       which nothing qualifies, ``oracle``.
+    2. **The runtime check**, otherwise: recompute the field only and read the decision. If it
+       moved off the stale decision, the model reads the field directly at the decision token and
+       the field-only state is kept (the new prompt's own cache at the field, no added text).
+       If it did not move, the old conclusion is held elsewhere (downstream notes) or the edit does
+       not matter, and the fallback repairs it. Two one-token reads are the check's cost.
+    """
+
+    policy: str = arg("TOPK.YAML", note="TOPK.YAML a policy file of this model", default="")
+
+    def _policy(self, lm, fallback=None):
+        """The policy this strategy names (loaded once per model and file), else ``fallback``."""
+        if not self.policy:
+            return fallback
+        key = (self.policy, id(lm))
+        if key not in _POLICIES:
+            _POLICIES[key] = policies.load(self.policy, lm)
+        return _POLICIES[key]
+
+    def check(self, lm, a) -> None:
+        self._policy(lm)
+
+    def apply(self, ctx: EditContext) -> Edited:
+        policy = self._policy(ctx.lm, ctx.policy)
+        if policy is None:
+            fallback, why = parse_strategy(AUTO_FALLBACK), "no policy for this model; kvprobe's default repair"
+        else:
+            safe = policy.cheapest()
+            fallback = parse_strategy(safe.spec) if safe else Oracle()
+            why = (f"policy {policy.path}: {safe.describe()}" if safe else
+                   f"policy {policy.path}: no measured strategy reaches {policy.threshold:g}")
+        if isinstance(fallback, FieldOnly):
+            return dataclasses.replace(fallback.apply(ctx), chose=fallback.spec, note=why)
+        stale, _ = decision_of(ctx.lm, ctx.a, Stale().apply(ctx))
+        fixed = FieldOnly().apply(ctx)
+        moved, margin = decision_of(ctx.lm, ctx.a, fixed)
+        extra = fixed.recomputed + AUTO_CHECK_TOKENS
+        if moved != stale:
+            return dataclasses.replace(fixed, recomputed=extra, chose="field_only",
+                                       note=f"field-only moved the decision from {stale!r} to {moved!r} "
+                                            f"(margin {margin:.2f}): the field is read directly")
+        edited = fallback.apply(ctx)
+        return dataclasses.replace(edited, recomputed=edited.recomputed + extra, chose=fallback.spec,
+                                   note=f"field-only kept {stale!r} (the old conclusion is held downstream, or the edit "
+                                        f"does not change it); {why}")

@@ -34,6 +34,7 @@ class Edited:
     rewritten_prompt: bool = False
     note: str = ""
     setup_s: float = 0.0  # time spent building what a deployment would already hold (not a cost)
+    chose: str = ""  # the repair a choosing strategy (auto) settled on, with ``note`` saying why
 
 
 COT_CUE = "\nAnswer:"

@@ -95,9 +95,18 @@ class LoadedModel:
                 "weights_hash": self.weights_hash(), "tokenizer_hash": tok_hash}
 
 
-def _finish(model, tokenizer, spec: str, source: str, dtype: str, device: str, note: str = "") -> LoadedModel:
+def _finish(model, tokenizer, spec: str, source: str, dtype: str | None, device: str | None, note: str = ""
+            ) -> LoadedModel:
+    """Wrap a Hugging Face model: its family adapter, ``dtype``/``device`` applied (None keeps the
+    model's own), eval mode, and the RoPE re-rotation self-check."""
     adapter = Adapter.for_config(model.config)
-    model = model.to(device=device, dtype=DTYPES[dtype]).eval()
+    if dtype is not None or device is not None:
+        model = model.to(device=device, dtype=DTYPES[dtype] if dtype else None)
+    model = model.eval()
+    dtype = dtype or next((name for name, t in DTYPES.items() if t == model.dtype), None)
+    if dtype is None:
+        raise UsageError(f"the model's dtype {model.dtype} is not supported; accepted: {', '.join(DTYPES)}")
+    device = device or str(next(model.parameters()).device)
     n_params = sum(p.numel() for p in model.parameters())
     info = ModelInfo(spec, adapter.family.family, source, dtype, device, n_params, note)
     # The re-rotation gate: re-rotated keys must equal keys computed at the new position. A model
@@ -290,3 +299,28 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu", progress=
                          f"tiny-<family>, toy-<family>, a .gguf path, a local HF folder, or a hub id org/name")
     model, tok = _from_hub(spec, attn)
     return _finish(model, tok, spec, "hub", dtype, device)
+
+
+def wrap_model(model, tokenizer, dtype: str | None = None, device: str | None = None) -> LoadedModel:
+    """A :class:`LoadedModel` over a model the caller already loaded (a transformers
+    ``PreTrainedModel`` of a supported family, with its tokenizer). ``dtype``/``device`` None keep
+    the model's own. Refuses, in one line, another class or a family kvprobe has no adapter for."""
+    from transformers import PreTrainedModel
+
+    name = type(model).__name__
+    if not isinstance(model, PreTrainedModel):
+        raise UsageError(f"unsupported model class {name}; accepted: a transformers PreTrainedModel of a "
+                         f"supported family, an nnsight LanguageModel wrapping one, or a model spec string")
+    if tokenizer is None:
+        raise UsageError(f"a {name} needs its tokenizer: load(model, tokenizer)")
+    if dtype is not None and dtype not in DTYPES:
+        raise UsageError(f"unknown dtype {dtype!r}; accepted: {', '.join(DTYPES)}")
+    try:
+        adapter = Adapter.for_config(model.config)
+    except KvprobeError as exc:
+        raise KvprobeError(f"unsupported model class {name}: {exc}") from None
+    if "CausalLM" not in name:
+        raise UsageError(f"unsupported model class {name}; kvprobe reads decisions from a causal LM's logits "
+                         f"({adapter.family.causal_lm_class})")
+    spec = str(getattr(model.config, "_name_or_path", "") or name)
+    return _finish(model, tokenizer, spec, "object", dtype, device)

@@ -1,0 +1,351 @@
+"""The front door: your model, your prompt, one field edited, the repair you choose or ``auto``.
+
+    lm = kvprobe.load("qwen2.5-1.5b")          # or load(hf_model, tokenizer), or an nnsight LanguageModel
+    ctx = kvprobe.EditableContext(lm)
+    ctx.add_text("Loans are issued only if the tier is gold.\\nTier: ")
+    ctx.add_field("tier", "gold")
+    ctx.ask("Is the loan issued?", options=["yes", "no"])
+    fixed = ctx.edit(tier="silver")            # strategy="auto": chosen per edit, and says why
+    fixed.answer(), fixed.chose, fixed.reason, fixed.frac_recomputed
+
+The context is a template case (:class:`~kvprobe.datasets.EditCase` with ``template``): text,
+named fields, the question and its options, rendered as kvprobe renders every case (the chat
+template where the tokenizer has one, the question as a ``## Request`` paragraph). It is
+prefilled once; every edit starts from that cache and leaves it as it was. The oracle (a full
+re-prefill) is one more strategy, for checking, never needed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import pandas as pd
+import torch
+
+from kvprobe import policy as policies
+from kvprobe.datasets import AlignedCase, EditCase, Skip, align, render_prompt
+from kvprobe.datasets.render import resolve_form
+from kvprobe.datasets.spans import option_ids, prompt_ids
+from kvprobe.editor.context import EditContext, make_context
+from kvprobe.editor.strategies import Strategy, apply, decision_of, parse_strategy
+from kvprobe.errors import KvprobeError, UsageError
+from kvprobe.kv import cache as kvcache
+from kvprobe.kv.decode import Edited, _eos_ids, decide
+from kvprobe.kv.readout import option_scores
+from kvprobe.models.load import LoadedModel, load_model, wrap_model
+
+
+def load(model, tokenizer=None, *, dtype: str | None = None, device: str | None = None,
+         attn: str = "eager") -> LoadedModel:
+    """A model ready for kvprobe, from any of:
+
+    - a spec string (a bundled alias, ``toy-<family>``, a ``.gguf`` path, a local folder, a hub id);
+      ``dtype`` defaults to float32 and ``device`` to cpu, ``attn`` is the attention implementation;
+    - a transformers ``PreTrainedModel`` of a supported family plus its ``tokenizer``; ``dtype``
+      and ``device`` None keep the model's own (``attn`` is the model's own);
+    - an nnsight ``LanguageModel`` (the model it wraps, and its tokenizer unless one is given);
+    - a :class:`~kvprobe.models.LoadedModel` (returned as it is).
+    """
+    if isinstance(model, LoadedModel):
+        return model
+    if isinstance(model, str):
+        return load_model(model, dtype or "float32", device or "cpu", attn=attn)
+    if type(model).__module__.startswith("nnsight"):
+        inner = getattr(model, "_module", None)
+        return wrap_model(inner, tokenizer or getattr(model, "tokenizer", None), dtype, device)
+    return wrap_model(model, tokenizer, dtype, device)
+
+
+@dataclass
+class EditState:
+    """A repaired (or the original) cache, ready to read: decision logits, option scores, text.
+
+    ``strategy`` is what was asked for, ``chose`` what ran (they differ for ``auto``), ``reason``
+    why; ``recomputed`` counts the tokens whose K/V the repair computed (its checks included).
+    Reading never changes the state: read it as often as you like.
+    """
+
+    lm: LoadedModel
+    edited: Edited
+    strategy: str
+    chose: str
+    reason: str = ""
+    options: list[str] = field(default_factory=list)  # the context's answer options (may be none)
+    option_ids: dict[str, list[int]] = field(default_factory=dict)
+    _logits: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def recomputed(self) -> float:
+        return float(self.edited.recomputed)
+
+    @property
+    def frac_recomputed(self) -> float:
+        return float(self.edited.recomputed) / self.edited.total
+
+    @property
+    def repair_s(self) -> float:
+        return self.edited.wall_s
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """The decision logits (V,): the next-token logits after the prompt (and any erratum)."""
+        if self._logits is None:
+            self._logits, _ = decide(self.lm, self.edited, 0)
+        return self._logits
+
+    def scores(self, options: list[str] | None = None) -> dict[str, float]:
+        """Each option's score (its best first-token logit); the context's options by default."""
+        options = self._options(options)
+        ids = {o: self.option_ids.get(o) or _first_ids(self.lm, o) for o in options}
+        return dict(zip(options, option_scores(self.logits, ids, options).tolist()))
+
+    def answer(self, options: list[str] | None = None) -> str:
+        """The highest-scoring option; without options, the top next token as text."""
+        if not (options or self.options):
+            return self.lm.tokenizer.decode([int(self.logits.argmax())])
+        scores = self.scores(options)
+        return max(scores, key=scores.get)
+
+    @torch.no_grad()
+    def generate(self, max_new_tokens: int = 32) -> str:
+        """Greedy text from this state (on a copy of its cache), up to an end-of-sequence token."""
+        cache, eos, out = kvcache.copy(self.edited.cache), _eos_ids(self.lm), []
+        logits = kvcache.forward(self.lm.model, torch.tensor([self.edited.tail_ids]), cache, logits_to_keep=1
+                                 ).logits[0, -1]
+        for _ in range(max_new_tokens):
+            nxt = int(logits.argmax())
+            if nxt in eos:
+                break
+            out.append(nxt)
+            logits = kvcache.forward(self.lm.model, torch.tensor([[nxt]]), cache).logits[0, -1]
+        return self.lm.tokenizer.decode(out)
+
+    def _options(self, options: list[str] | None) -> list[str]:
+        options = list(options or self.options)
+        if len(options) < 2:
+            raise UsageError("scores need at least two options: ctx.ask(question, options=[...]) or scores(options)")
+        return options
+
+
+def _first_ids(lm, option: str) -> list[int]:
+    ids = option_ids(lm.tokenizer, option)
+    if not ids:
+        raise UsageError(f"option {option!r} has no non-space first token")
+    return ids
+
+
+def _escape(text: str) -> str:
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+class EditableContext:
+    """A prompt built from text and named fields, prefilled once, then edited field by field.
+
+    ``model`` is anything :func:`load` takes. ``system`` is a system message (a chat template
+    gets it as one), ``form`` "auto" (chat where the tokenizer has a template), "chat" or "raw".
+    ``policy`` is a ``topk.yaml`` of this model (path or :class:`~kvprobe.editor.policy.Policy`):
+    ``auto`` and ``selective:K:causal`` use it.
+    """
+
+    def __init__(self, model, *, system: str | None = None, form: str = "auto", policy=None):
+        self.lm = load(model)
+        self.system, self.form = system, resolve_form(self.lm.tokenizer, form)
+        self.policy = policies.load(policy, self.lm) if isinstance(policy, str) else policy
+        self._pieces: list[tuple[str, str]] = []  # ("text", text) or ("field", name)
+        self.fields: dict[str, str] = {}
+        self.question: str | None = None
+        self.options: list[str] = []
+        self._ids: list[int] | None = None
+        self._cache = None
+
+    # -- building ------------------------------------------------------------------------------
+    def add_text(self, text: str) -> EditableContext:
+        self._building()
+        self._pieces.append(("text", text))
+        return self
+
+    def add_field(self, name: str, value: str) -> EditableContext:
+        """A named field holding ``value``, where it sits in the text; later edits change it."""
+        self._building()
+        if not name.isidentifier():
+            raise UsageError(f"field name {name!r} must be an identifier (letters, digits, _)")
+        if name in self.fields:
+            raise UsageError(f"field {name!r} is already in this context; each field occurs once")
+        self.fields[name] = value
+        self._pieces.append(("field", name))
+        return self
+
+    def ask(self, question: str, options: list[str] | None = None) -> EditableContext:
+        """The question whose answer is the decision, and its answer options (two, or none: then
+        the decision is the top next token). An erratum re-asks it."""
+        self._building()
+        if options is not None and len(options) != 2:
+            raise UsageError(f"give two answer options, or none; got {len(options)}")
+        self.question, self.options = question, list(options or [])
+        return self
+
+    def _building(self) -> None:
+        if self._ids is not None:
+            raise UsageError("this context is prefilled; build a new EditableContext to change its text")
+
+    @property
+    def template(self) -> str:
+        """The body as a template: text with ``{name}`` where each field sits."""
+        return "".join(_escape(x) if kind == "text" else f"{{{x}}}" for kind, x in self._pieces)
+
+    def case(self, name: str, new_value: str) -> EditCase:
+        """The edit of field ``name`` to ``new_value`` as a template case (see module docstring)."""
+        if not self.fields:
+            raise UsageError("the context has no field; add one with add_field(name, value)")
+        if self.question is None:
+            raise UsageError("the context has no question; set it with ask(question, options)")
+        if name not in self.fields:
+            raise UsageError(f"no field {name!r} in this context; its fields: {', '.join(self.fields)}")
+        if new_value == self.fields[name]:
+            raise UsageError(f"the new value of {name!r} equals the old one ({new_value!r}); nothing to edit")
+        try:
+            return EditCase(case_id="context", domain="user", field=name, old_value=self.fields[name],
+                            new_value=new_value, template=self.template, system=self.system,
+                            values={k: v for k, v in self.fields.items() if k != name}, question=self.question,
+                            options=self.options)
+        except ValueError as exc:  # pydantic's ValidationError: its first message, one line
+            raise UsageError(_first_message(exc)) from None
+
+    # -- the cache -----------------------------------------------------------------------------
+    def prefill(self) -> EditableContext:
+        """Prefill the prompt (everything before its last token) once; edits start from it."""
+        if self._ids is None:
+            name = next(iter(self.fields), "")
+            case = self.case(name, self.fields.get(name, "") + "x")  # any other value: only the old one renders
+            ids = prompt_ids(self.lm.tokenizer, render_prompt(case, self.lm.tokenizer, case.old_value, self.form),
+                             self.form)
+            self.lm.check_length(len(ids), "the context")
+            _, self._cache = kvcache.prefill(self.lm.model, torch.tensor(ids[:-1]), logits_to_keep=1)
+            self._ids = ids
+        return self
+
+    def read(self) -> EditState:
+        """The state of the unedited context (the decision as prefilled)."""
+        self.prefill()
+        edited = Edited(self._cache, [self._ids[-1]], 0, len(self._ids))
+        ids = {o: _first_ids(self.lm, o) for o in self.options}
+        return EditState(self.lm, edited, "stale", "stale", options=self.options, option_ids=ids)
+
+    def edit(self, strategy: str | Strategy = "auto", **change: str) -> EditState:
+        """Repair the cache for one field's new value (``ctx.edit(tier="silver")``) with
+        ``strategy`` (a spec such as ``"erratum_turn"`` or ``"selective:8:causal"``, or a typed
+        strategy; default ``auto``)."""
+        if len(change) != 1:
+            raise UsageError(f"edit one field at a time, e.g. edit(tier='silver'); got {len(change)}")
+        (name, value), = change.items()
+        s = parse_strategy(strategy) if isinstance(strategy, str) else strategy
+        ctx = self.context(name, value)
+        s.check(self.lm, ctx.a)
+        edited = apply(ctx, s)
+        return EditState(self.lm, edited, s.spec, edited.chose or s.spec, edited.note, self.options, ctx.a.option_ids)
+
+    def context(self, name: str, value: str) -> EditContext:
+        """What a strategy starts from for this edit: the model, the aligned case, the old cache."""
+        self.prefill()
+        a = self._aligned(name, value)
+        return EditContext(self.lm, a, self._cache, ranking=learned_ranking(self.policy), policy=self.policy)
+
+    def _aligned(self, name: str, value: str) -> AlignedCase:
+        a = aligned_edit(self.lm, self.case(name, value), self.form)
+        if a.ids_old != self._ids:
+            raise KvprobeError("the context's tokens changed since it was prefilled; build a new EditableContext")
+        return a
+
+
+def learned_ranking(policy):
+    """The policy's causal ranking rule, or None without a policy or a learned rule (then
+    ``selective:K:causal`` says where a rule comes from)."""
+    rule = (policy.rule or {}) if policy is not None else {}
+    return policy.ranking() if rule.get("scores") and rule.get("n_training_cases") else None
+
+
+def aligned_edit(lm, case: EditCase, form: str = "auto") -> AlignedCase:
+    """The case's edit aligned under ``lm``'s tokenizer, or a one-line error: the new prompt past
+    the model's window, or an edit that cannot be repaired in place (its reason)."""
+    new_ids = prompt_ids(lm.tokenizer, render_prompt(case, lm.tokenizer, case.new_value, form),
+                         resolve_form(lm.tokenizer, form))
+    lm.check_length(len(new_ids), f"the prompt with {case.field}={case.new_value!r}")
+    a = align(case, lm.tokenizer, form)
+    if isinstance(a, Skip):
+        raise KvprobeError(f"cannot edit {case.field!r} from {case.old_value!r} to {case.new_value!r} in place: "
+                           f"{a.reason}")
+    return a
+
+
+def _first_message(exc: Exception) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        first = errors()[0]
+        return str(first["msg"]).removeprefix("Value error, ")
+    return str(exc).splitlines()[0]
+
+
+def timed_decision(lm, a: AlignedCase, edited: Edited) -> tuple[str, float, float]:
+    """(decision, margin, seconds to read it) of a repaired state."""
+    start = time.perf_counter()
+    decision, margin = decision_of(lm, a, edited)
+    return decision, margin, time.perf_counter() - start
+
+
+DIAGNOSE_COLUMNS = ["new_value", "strategy", "chose", "decision", "oracle_decision", "agrees", "margin",
+                    "tokens_recomputed", "frac_recomputed", "repair_s", "decide_s", "to_decision_s", "note", "error"]
+
+
+def diagnose_case(lm, case: EditCase, new_values: list[str], strategies: list[str], form: str = "auto",
+                  policy=None, on_step=lambda: None) -> pd.DataFrame:
+    """Every strategy (``auto`` among them) for each new value of the case's field, against the
+    oracle: the decision each reads, whether it agrees, its margin, cost and time. One row per
+    new value x strategy (see :data:`DIAGNOSE_COLUMNS`); a strategy that cannot run on this
+    prompt (hoist on a template) is a row with its error. The old prompt is prefilled once."""
+    parsed = [parse_strategy(s) for s in strategies]
+    old_cache, rows = None, []
+    for value in new_values:
+        if value == case.old_value:
+            raise UsageError(f"the new value {value!r} of field '{case.field}' equals the old one; nothing to edit")
+        a = aligned_edit(lm, case.model_copy(update={"new_value": value}), form)
+        if old_cache is None:
+            old_cache = make_context(lm, a).old_cache
+        ctx = EditContext(lm, a, old_cache, ranking=learned_ranking(policy), policy=policy)
+        oracle_decision = decision_of(lm, a, apply(ctx, "oracle"))[0]
+        for s in parsed:
+            row = {"new_value": value, "strategy": s.spec, "oracle_decision": oracle_decision}
+            try:
+                s.check(lm, a)
+                edited = apply(ctx, s)
+                decision, margin, decide_s = timed_decision(lm, a, edited)
+            except KvprobeError as exc:
+                rows.append(row | {"error": str(exc)})
+                on_step()
+                continue
+            rows.append(row | {"chose": edited.chose or s.spec, "decision": decision,
+                               "agrees": decision == oracle_decision, "margin": margin,
+                               "tokens_recomputed": float(edited.recomputed),
+                               "frac_recomputed": float(edited.recomputed) / edited.total, "repair_s": edited.wall_s,
+                               "decide_s": decide_s, "to_decision_s": edited.wall_s + decide_s,
+                               "note": edited.note or None})
+            on_step()
+    return pd.DataFrame(rows).reindex(columns=DIAGNOSE_COLUMNS)
+
+
+def recommendation(rows: pd.DataFrame) -> list[str]:
+    """Per new value: what ``auto`` chose and whether it agreed, and (in hindsight, with the oracle
+    known) the cheapest strategy that agreed."""
+    lines = []
+    for value, g in rows.groupby("new_value", sort=False):
+        ok = g[g.agrees.eq(True) & ~g.strategy.isin(["oracle", "stale"])]
+        auto = g[g.strategy.str.startswith("auto")]
+        head = f"{value}: "
+        if len(auto) and isinstance(auto.iloc[0].chose, str):
+            r = auto.iloc[0]
+            head += (f"auto chose {r.chose} ({'agrees' if r.agrees else 'DISAGREES'} with the oracle, "
+                     f"{r.frac_recomputed:.1%} recomputed) because {r.note}; ")
+        cheapest = ok.sort_values(["frac_recomputed", "to_decision_s"]).iloc[0].strategy if len(ok) else None
+        lines.append(head + (f"cheapest agreeing in hindsight: {cheapest}" if cheapest
+                             else "no repair short of the oracle agrees"))
+    return lines

@@ -1,0 +1,180 @@
+"""The front door: kvprobe.load on every kind of model, EditableContext, auto, and their refusals."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import kvprobe
+from kvprobe.datasets import generate
+from kvprobe.datasets.layouts import REQUEST
+from kvprobe.datasets.render import SENTINEL, render_body
+from kvprobe.errors import KvprobeError, UsageError
+
+
+def context_of(lm, case, **kwargs) -> kvprobe.EditableContext:
+    """An EditableContext holding the same prompt as a generated (record layout) case."""
+    body = render_body(case, SENTINEL, system=False).rsplit(f"\n\n{REQUEST}\n", 1)[0]
+    before, after = body.split(SENTINEL)
+    ctx = kvprobe.EditableContext(lm, system=case.system, **kwargs)
+    ctx.add_text(before).add_field(case.field, case.old_value).add_text(after)
+    return ctx.ask(case.question, case.options)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    return kvprobe.load("toy-qwen2")
+
+
+@pytest.fixture(scope="module")
+def cases():
+    return generate(12, seed=3, controls=0.25)
+
+
+def test_the_context_renders_the_generated_prompt(toy, cases):
+    from kvprobe.datasets import align
+
+    case = cases[0]
+    a = align(case, toy.tokenizer)
+    ctx = context_of(toy, case).prefill()
+    assert ctx._ids == a.ids_old
+
+
+def test_auto_keeps_field_only_when_it_moves_the_decision_and_falls_back_when_not(toy, cases):
+    seen = set()
+    for case in cases:
+        ctx = context_of(toy, case)
+        before = ctx.read().answer()
+        fixed = ctx.edit(**{case.field: case.new_value})
+        oracle = ctx.edit(strategy="oracle", **{case.field: case.new_value})
+        field_only = ctx.edit(strategy="field_only", **{case.field: case.new_value}).answer()
+        if field_only != before:
+            assert fixed.chose == "field_only" and "moved the decision" in fixed.reason
+            assert fixed.answer() == field_only
+        else:
+            assert fixed.chose == "erratum_turn" and "no policy" in fixed.reason and "kept" in fixed.reason
+            erratum = ctx.edit(strategy="erratum_turn", **{case.field: case.new_value})
+            assert fixed.answer() == erratum.answer()
+            assert fixed.recomputed > erratum.recomputed  # the check is counted
+        seen.add(fixed.chose)
+        if not case.control:
+            assert oracle.answer() == case.expected_new
+    assert seen == {"field_only", "erratum_turn"}  # the toy moves on decisions, not on controls
+
+
+def test_edits_leave_the_prefilled_cache_as_it_was(toy, cases):
+    ctx = context_of(toy, cases[0])
+    before = ctx.read().logits.clone()
+    for strategy in ("stale", "field_only", "erratum", "erratum_turn", "cacheblend:0.3", "auto", "oracle"):
+        ctx.edit(strategy=strategy, **{cases[0].field: cases[0].new_value}).logits
+    assert torch.equal(ctx.read().logits, before)
+
+
+def test_generate_reads_the_same_first_token_as_the_logits(toy, cases):
+    state = context_of(toy, cases[0]).edit(strategy="field_only", **{cases[0].field: cases[0].new_value})
+    first = toy.tokenizer.decode([int(state.logits.argmax())])
+    assert state.generate(3).startswith(first.strip())
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_a_user_loaded_model_and_nnsight_give_the_spec_paths_logits(cases, attn):
+    """The bundled smollm2-135m by spec, and its folder loaded by transformers and wrapped by
+    nnsight, under the same attention implementation: the same decision logits for every repair.
+    (Eager and sdpa kernels differ by about 2.5e-5 on this model, with or without kvprobe.)"""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvprobe.models import fetch
+
+    nnsight = pytest.importorskip("nnsight")
+    case = next(c for c in cases if not c.control)
+    folder = fetch("smollm2-135m")
+    by_spec = kvprobe.load("smollm2-135m", attn=attn)
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapped = nnsight.LanguageModel(model, tokenizer=tokenizer)
+    ref = {s: context_of(by_spec, case).edit(strategy=s, **{case.field: case.new_value}).logits
+           for s in ("stale", "field_only", "erratum_turn", "oracle")}
+    for lm in (kvprobe.load(model, tokenizer), kvprobe.load(wrapped)):
+        for s, logits in ref.items():
+            got = context_of(lm, case).edit(strategy=s, **{case.field: case.new_value}).logits
+            assert (got - logits).abs().max().item() <= 1e-5, (s, (got - logits).abs().max().item())
+
+
+def test_unsupported_models_are_refused_in_one_line():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with pytest.raises(KvprobeError, match=r"^unsupported model class GPT2LMHeadModel: .*supported model types"):
+        kvprobe.load(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)), object())
+    with pytest.raises(UsageError, match=r"^unsupported model class dict; accepted: "):
+        kvprobe.load({"not": "a model"})
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"tier": "silver"}, r"^no field 'tier' in this context; its fields: "),
+    ({}, r"^edit one field at a time"),
+])
+def test_bad_edits_are_refused_in_one_line(toy, cases, change, message):
+    with pytest.raises(KvprobeError, match=message):
+        context_of(toy, cases[0]).edit(**change)
+
+
+def test_a_new_value_equal_to_the_old_is_refused(toy, cases):
+    case = cases[0]
+    with pytest.raises(UsageError, match=rf"^the new value of '{case.field}' equals the old one"):
+        context_of(toy, case).edit(**{case.field: case.old_value})
+
+
+def test_an_edit_past_the_window_is_refused(toy, cases):
+    case = next(c for c in cases if not c.control)
+    ctx = context_of(toy, case).prefill()
+    window = toy.max_positions
+    long_value = " ".join(["shipped"] * (window + 1))
+    with pytest.raises(KvprobeError, match=rf"^the prompt with {case.field}=.* tokens is longer than the model's "
+                                           rf"window of {window} positions"):
+        ctx.edit(**{case.field: long_value})
+
+
+def test_the_readme_quickstart_runs_as_written():
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    block = readme.split("## Quickstart", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert len(block.strip().splitlines()) <= 10
+    exec(compile(block, "README.md quickstart", "exec"), {})
+
+
+def test_the_api_docs_snippet_runs_as_written():
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "api.md").read_text()
+    block = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(block, "docs/api.md", "exec"), {})
+
+
+def policy_of(*evidence) -> "kvprobe.policy.Policy":
+    from kvprobe.policy import Evidence, Policy
+
+    entries = tuple(Evidence(spec, agreement, None, n, None, 0, cost, None) for spec, agreement, n, cost in evidence)
+    return Policy(path="measured.yaml", model={}, threshold=0.95, k_star=None, rule=None, strategies=entries,
+                  erratum_template=None)
+
+
+def test_auto_takes_a_policys_field_only_as_it_is(toy, cases):
+    case = next(c for c in cases if c.control)  # field-only does not move a control: no check would keep it
+    ctx = context_of(toy, case, policy=policy_of(("field_only", 1.0, 40, 0.01), ("erratum_turn", 1.0, 40, 0.2)))
+    fixed = ctx.edit(**{case.field: case.new_value})
+    plain = ctx.edit(strategy="field_only", **{case.field: case.new_value})
+    assert fixed.chose == "field_only" and fixed.reason.startswith("policy measured.yaml: field_only: agreement 1.00")
+    assert fixed.recomputed == plain.recomputed  # no check ran
+    assert torch.allclose(fixed.logits, plain.logits)
+
+
+def test_auto_falls_back_to_the_oracle_when_nothing_measured_qualifies(toy, cases):
+    case = next(c for c in cases if c.control)
+    too_few = policy_of(("field_only", 1.0, 19, 0.01), ("erratum_turn", 0.9, 40, 0.2))  # 19 < MIN_CASES; 0.9 < 0.95
+    fixed = context_of(toy, case, policy=too_few).edit(**{case.field: case.new_value})
+    assert fixed.chose == "oracle" and "no measured strategy reaches 0.95" in fixed.reason
