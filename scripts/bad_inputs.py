@@ -234,6 +234,11 @@ def prepare(s: Path, say) -> None:
     (s / "array-line.jsonl").write_text("[1, 2, 3]\n")
     (s / "not-utf8.jsonl").write_bytes(b"\xff\xfe not utf-8\n")
     (s / "dataset-folder").mkdir()
+    # kvprobe diagnose: a prompt with a {tier} placeholder, and topk.yaml files
+    (s / "loan.txt").write_text("Approve a refund only if tier is gold.\ntier: {tier}\n")
+    (s / "no-field.txt").write_text("Approve a refund only if tier is gold.\n")
+    (s / "broken.yaml").write_text("schema_version: [\n")
+    (s / "old-topk.yaml").write_text("schema_version: 1\nmodel: {}\nk_star: null\n")
 
 
 def unwritable_out(s: Path) -> tuple[str, str]:
@@ -242,6 +247,9 @@ def unwritable_out(s: Path) -> tuple[str, str]:
     if os.geteuid() != 0:
         return "readonly/out", "--out inside a chmod 500 folder"
     return "/sys/kvprobe-bad-inputs/out", "--out under /sys (running as root, which ignores chmod 500)"
+
+
+DIAG = ["diagnose", "loan.txt", "--model", "toy-qwen2", "--question", "Approve the refund?"]
 
 
 def inputs(s: Path) -> list[Bad]:
@@ -357,6 +365,23 @@ def inputs(s: Path) -> list[Bad]:
             "datasets generate --filler-tokens 99999", 2),
         Bad(["datasets", "show", "--dataset", "bad-line.jsonl", "--layout", "json"],
             "datasets show: a layout knob on a JSONL dataset", 2),
+        # kvprobe diagnose and topk.yaml policies
+        Bad([*DIAG, "--field", "tier", "--value", "tier=gold", "--new", "gold"], "diagnose: new value equals the old", 2),
+        Bad(["diagnose", "no-field.txt", "--model", "toy-qwen2", "--question", "Approve?", "--field", "tier",
+             "--value", "tier=gold", "--new", "silver"], "diagnose: the field is not in the template", 2,
+            quote="{tier}"),
+        Bad([*DIAG, "--field", "tier", "--new", "silver"], "diagnose: no current value of the field", 2),
+        Bad([*DIAG, "--field", "tier", "--value", "tier=gold", "--new", "silver", "--options", "yes"],
+            "diagnose --options with one option", 2),
+        Bad([*DIAG, "--field", "tier", "--value", "tier=gold", "--new", "silver", "--strategies", "auto:nope.yaml"],
+            "diagnose: auto with a missing topk.yaml", 3),
+        Bad([*DIAG, "--field", "tier", "--value", "tier=gold", "--new", "silver", "--policy", "broken.yaml"],
+            "diagnose --policy: unparsable YAML", 3),
+        Bad([*DIAG, "--field", "tier", "--value", "tier=gold", "--new", "silver", "--policy", "old-topk.yaml"],
+            "diagnose --policy: a schema-1 topk.yaml", 3),
+        Bad(["diagnose", "two.jsonl:9", "--model", "toy-qwen2"], "diagnose: a JSONL line that is not there", 2),
+        Bad(["diagnose", "long-prompt.jsonl", "--model", "toy-qwen2", "--new", "pending"],
+            "diagnose: the edited prompt is longer than the model's window", 3),
         # a check that runs and fails
         Bad(["edit", *tiny, "--n", "2", "--strategies", "stale", "--out", "zero-valid"],
             "edit where no case is valid (tiny models have random weights)", 1, writes="zero-valid"),

@@ -144,7 +144,7 @@ class EditableContext:
 
     ``model`` is anything :func:`load` takes. ``system`` is a system message (a chat template
     gets it as one), ``form`` "auto" (chat where the tokenizer has a template), "chat" or "raw".
-    ``policy`` is a ``topk.yaml`` of this model (path or :class:`~kvprobe.editor.policy.Policy`):
+    ``policy`` is a ``topk.yaml`` of this model (path or :class:`~kvprobe.policy.Policy`):
     ``auto`` and ``selective:K:causal`` use it.
     """
 
