@@ -28,7 +28,7 @@ from kvprobe.datasets import AlignedCase, EditCase, Skip, align, render_prompt
 from kvprobe.datasets.render import resolve_form
 from kvprobe.datasets.spans import option_ids, prompt_ids
 from kvprobe.editor.context import EditContext, make_context
-from kvprobe.editor.strategies import Strategy, apply, decision_of, parse_strategy
+from kvprobe.editor.strategies import Strategy, apply, check_policies, decision_of, parse_strategy
 from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.kv import cache as kvcache
 from kvprobe.kv.decode import Edited, _eos_ids, decide
@@ -298,17 +298,24 @@ DIAGNOSE_COLUMNS = ["new_value", "strategy", "chose", "decision", "oracle_decisi
 
 
 def diagnose_case(lm, case: EditCase, new_values: list[str], strategies: list[str], form: str = "auto",
-                  policy=None, on_step=lambda: None) -> pd.DataFrame:
+                  policy=None, start=lambda total: (lambda: None)) -> pd.DataFrame:
     """Every strategy (``auto`` among them) for each new value of the case's field, against the
     oracle: the decision each reads, whether it agrees, its margin, cost and time. One row per
     new value x strategy (see :data:`DIAGNOSE_COLUMNS`); a strategy that cannot run on this
-    prompt (hoist on a template) is a row with its error. The old prompt is prefilled once."""
+    prompt (hoist on a template) is a row with its error. The old prompt is prefilled once.
+
+    Every input is checked first (each new value, its prompt against the window, each strategy's
+    policy file); then ``start(total)`` is called and what it returns after each row."""
     parsed = [parse_strategy(s) for s in strategies]
-    old_cache, rows = None, []
+    edits = []
     for value in new_values:
         if value == case.old_value:
             raise UsageError(f"the new value {value!r} of field '{case.field}' equals the old one; nothing to edit")
-        a = aligned_edit(lm, case.model_copy(update={"new_value": value}), form)
+        edits.append((value, aligned_edit(lm, case.model_copy(update={"new_value": value}), form)))
+    check_policies(parsed, lm)
+    on_step = start(len(edits) * len(parsed))
+    old_cache, rows = None, []
+    for value, a in edits:
         if old_cache is None:
             old_cache = make_context(lm, a).old_cache
         ctx = EditContext(lm, a, old_cache, ranking=learned_ranking(policy), policy=policy)

@@ -122,9 +122,11 @@ def diagnose(prompt: Prompt, model: opt.Model = opt.DEFAULTS["model"],
 
         loaded = policies.load(policy, lm)
     with progress_bar() as bar:
-        task = bar.add_task(f"diagnosing {len(new_values)} value(s) x {len(specs)} strategies",
-                            total=len(new_values) * len(specs))
-        rows = diagnose_case(lm, case, new_values, specs, form, loaded, on_step=lambda: bar.advance(task))
+        def start(total: int):
+            task = bar.add_task(f"diagnosing {len(new_values)} value(s) x {len(specs)} strategies", total=total)
+            return lambda: bar.advance(task)
+
+        rows = diagnose_case(lm, case, new_values, specs, form, loaded, start=start)
     advice = recommendation(rows)
     if as_json:
         records = json.loads(rows.to_json(orient="records"))

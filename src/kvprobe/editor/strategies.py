@@ -431,3 +431,11 @@ class Auto(Strategy):
         return dataclasses.replace(edited, recomputed=edited.recomputed + extra, chose=fallback.spec,
                                    note=f"field-only kept {stale!r} (the old conclusion is held downstream, or the edit "
                                         f"does not change it); {why}")
+
+
+def check_policies(strategies: list[Strategy], lm) -> None:
+    """Refuse, before any measurement, an ``auto`` whose policy file is missing, unreadable or of
+    another model (the file, not a case, is at fault: one error, not a row per case)."""
+    for s in strategies:
+        if isinstance(s, Auto):
+            s.check(lm, None)

@@ -33,7 +33,7 @@ from kvprobe.defaults import (
     SWEEP_STRATEGIES,
     checked_form,
 )
-from kvprobe.editor.strategies import parse_strategy
+from kvprobe.editor.strategies import check_policies, parse_strategy
 from kvprobe.errors import CheckFailed
 from kvprobe.pipeline import package_versions
 from kvprobe.results import (
@@ -149,6 +149,7 @@ def run_sweep(cfg: SweepConfig, lm, out: Path | str, progress: Callable[[str, in
         reasons = pd.Series([s.reason for _, _, skipped in prepared for s in skipped]).value_counts()
         raise CheckFailed(f"no case of the sweep aligns under {cfg.model}'s tokenizer (most often: "
                           f"{reasons.index[0] if len(reasons) else 'no cases'}); try another --form or layout")
+    check_policies(strategies, lm)  # an auto:PATH of another model fails here, not once per case
     out.mkdir(parents=True, exist_ok=True)
     claim_folder(out, SWEEP_CLAIM, cfg.settings(), held="sweep with other settings")
     frames, record = [], {}
