@@ -210,7 +210,7 @@ class EditableContext:
                             values={k: v for k, v in self.fields.items() if k != name}, question=self.question,
                             options=self.options)
         except ValueError as exc:  # pydantic's ValidationError: its first message, one line
-            raise UsageError(_first_message(exc)) from None
+            raise UsageError(first_message(exc)) from None
 
     # -- the cache -----------------------------------------------------------------------------
     def prefill(self) -> EditableContext:
@@ -278,7 +278,7 @@ def aligned_edit(lm, case: EditCase, form: str = "auto") -> AlignedCase:
     return a
 
 
-def _first_message(exc: Exception) -> str:
+def first_message(exc: Exception) -> str:
     errors = getattr(exc, "errors", None)
     if callable(errors):
         first = errors()[0]

@@ -44,6 +44,7 @@ def _template_case(prompt: Path, field: str | None, values: list[str], question:
                    options: list[str], system: str | None, new: list[str]):
     from pydantic import ValidationError
 
+    from kvprobe.api import first_message
     from kvprobe.datasets import EditCase
 
     if not prompt.is_file():
@@ -71,8 +72,7 @@ def _template_case(prompt: Path, field: str | None, values: list[str], question:
                         new_value=new[0], template=body, values=given, question=question, options=options,
                         system=system)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        raise UsageError(f"{prompt}: {str(first['msg']).removeprefix('Value error, ')}") from None
+        raise UsageError(f"{prompt}: {first_message(exc)}") from None
 
 
 def diagnose(prompt: Prompt, model: opt.Model = opt.DEFAULTS["model"],
