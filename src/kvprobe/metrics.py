@@ -1,4 +1,5 @@
-"""Decision metrics against the oracle, per case and aggregated with bootstrap CIs.
+"""Decision metrics against the oracle, per case and aggregated with 95% CIs: Wilson intervals
+(scipy) for yes/no shares such as agreement, a percentile bootstrap for means such as recovery.
 
 Per case, with m = score(new answer) - score(old answer) at the decision token:
 
@@ -17,6 +18,7 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
+from scipy.stats import binomtest
 
 from kvprobe.defaults import DEFAULT_MIN_FLIP  # noqa: F401  (logits; below it no recovery ratio)
 
@@ -46,14 +48,34 @@ def bootstrap_ci(values, n_boot: int = N_BOOT, seed: int = 0, alpha: float = 0.0
     return float(np.quantile(means, alpha / 2)), float(np.quantile(means, 1 - alpha / 2))
 
 
+def proportion_ci(k: int, n: int, confidence: float = 0.95, method: str = "wilson") -> tuple[float, float]:
+    """scipy's interval for ``k`` successes of ``n`` trials (``method``: "wilson" or "exact", i.e.
+    Clopper-Pearson); (nan, nan) without trials. 15 of 15 gives [0.80, 1.00], not [1, 1]."""
+    if not n:
+        return float("nan"), float("nan")
+    ci = binomtest(int(k), int(n)).proportion_ci(confidence_level=confidence, method=method)
+    return float(ci.low), float(ci.high)
+
+
 def wilson_ci(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    """The Wilson score 95% interval of a proportion ``p`` of ``n`` trials; (nan, nan) without trials."""
+    """The Wilson score 95% interval of a proportion ``p`` of ``n`` trials (``p * n`` successes,
+    rounded); (nan, nan) without trials."""
     if not n or p is None or not math.isfinite(p):
         return float("nan"), float("nan")
-    den = 1 + z * z / n
-    mid = (p + z * z / (2 * n)) / den
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return max(0.0, mid - half), min(1.0, mid + half)
+    if z != 1.96:
+        raise ValueError("wilson_ci gives 95% intervals; use proportion_ci(k, n, confidence) for another level")
+    return proportion_ci(round(p * n), n)
+
+
+def proportion(values) -> tuple[float, float, float, int]:
+    """(share, lo, hi, n) of yes/no ``values`` (NaNs dropped) with the Wilson 95% interval: the
+    interval for agreement, invariance and validity, where a bootstrap would print 15/15 as [1, 1]."""
+    x = np.asarray(values, dtype=float)
+    x = x[~np.isnan(x)]
+    if not len(x):
+        return float("nan"), float("nan"), float("nan"), 0
+    lo, hi = proportion_ci(int(x.sum()), len(x))
+    return float(x.mean()), lo, hi, int(len(x))
 
 
 def mean_ci(values) -> tuple[float, float, float, int]:
@@ -93,7 +115,7 @@ def summarize_edits(df: pd.DataFrame, by=("strategy", "cot")) -> pd.DataFrame:
     rows = []
     for key, g in df.groupby(list(by), sort=False, dropna=False):
         key = key if isinstance(key, tuple) else (key,)
-        agree = mean_ci(g.agree.astype(float))
+        agree = proportion(g.agree.astype(float))
         rec = mean_ci(g.recovery)
         row = dict(zip(by, key))
         row.update(n=len(g), agreement=agree[0], agreement_lo=agree[1], agreement_hi=agree[2],

@@ -29,7 +29,8 @@ from kvprobe.errors import KvprobeError
 if TYPE_CHECKING:
     from kvprobe.datasets import AlignedCase
 
-SCHEMA_VERSION = 2  # 2: the strategies section; a sweep folder exports too
+SCHEMA_VERSION = 3  # 2: the strategies section, a sweep folder exports too; 3: K* only where established
+READS = (2, 3)  # a schema-2 K* was chosen on its point estimate; its k_star_status is absent (None)
 TOPK_FILE = "topk.yaml"
 HASHES = {"config_hash": "config", "weights_hash": "weights", "tokenizer_hash": "tokenizer"}  # what identifies a model
 KEYS = ("model", "threshold", "k_star", "erratum_template", "strategies")  # besides schema_version
@@ -128,6 +129,7 @@ class Policy:
     strategies: tuple[Evidence, ...]
     erratum_template: str | None
     reason: str | None = None
+    k_star_status: str | None = None
 
     def ranking(self) -> RankingRule:
         """The learned causal ranking rule (usable as an EditContext ranking, e.g. for
@@ -182,9 +184,9 @@ def load(path: Path | str, lm) -> Policy:
                            f"{EXPORT} rewrites it") from None
     if not isinstance(data, dict) or "schema_version" not in data:
         raise KvprobeError(f"{path} is not a topk.yaml (no schema_version); {EXPORT} writes one")
-    if data["schema_version"] != SCHEMA_VERSION:
+    if data["schema_version"] not in READS:
         raise KvprobeError(f"{path} has schema_version {data['schema_version']!r}, this kvprobe reads "
-                           f"{SCHEMA_VERSION}; {EXPORT} rewrites it")
+                           f"{' or '.join(map(str, READS))}; {EXPORT} rewrites it")
     missing = [k for k in KEYS if k not in data]
     model = data.get("model")
     if not missing and not (isinstance(model, dict) and all(isinstance(model.get(h), str) for h in HASHES)):
@@ -196,7 +198,8 @@ def load(path: Path | str, lm) -> Policy:
     return Policy(path=path, model=model, threshold=_number(path, "threshold", data["threshold"]),
                   k_star=data["k_star"], rule=data.get("ranking_rule"),
                   strategies=tuple(_evidence(path, i, e) for i, e in enumerate(_list(path, data["strategies"]))),
-                  erratum_template=data["erratum_template"], reason=data.get("reason"))
+                  erratum_template=data["erratum_template"], reason=data.get("reason"),
+                  k_star_status=data.get("k_star_status"))
 
 
 def check_model(path: Path, stored: dict, mine: dict) -> None:

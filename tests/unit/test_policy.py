@@ -15,8 +15,9 @@ import yaml
 from kvprobe import policy as P
 from kvprobe.datasets import ERRATUM_TEMPLATES
 from kvprobe.editor.causal_rule import RankingRule
-from kvprobe.editor.topk import NO_RANKING, export_topk
+from kvprobe.editor.topk import NO_RANKING, cases_to_establish, export_topk, k_star_fields, k_sweep
 from kvprobe.errors import KvprobeError
+from kvprobe.metrics import proportion, proportion_ci, wilson_ci
 from kvprobe.results import (
     EDITS,
     MANIFEST,
@@ -114,10 +115,15 @@ def entry(cfg: dict, spec: str) -> dict:
 def test_run_folder_export_keeps_topk_and_adds_the_strategies(lm, tmp_path):
     path = export_topk(run_folder(tmp_path / "run", lm.fingerprint()))
     cfg = yaml.safe_load(path.read_text())
-    assert cfg["schema_version"] == 2 and cfg["model"] == lm.fingerprint()
-    assert list(cfg)[:10] == ["schema_version", "model", "threshold", "judged_on", "ranking_rule", "recompute",
-                              "token_kinds_at_top", "erratum_template", "k_sweep", "k_star"]
-    assert cfg["k_star"] == 2 and cfg["n_cases"] == 4 and cfg["agreement"] == 1.0  # held-out, valid, no CoT
+    assert cfg["schema_version"] == 3 and cfg["model"] == lm.fingerprint()
+    assert list(cfg)[:11] == ["schema_version", "model", "threshold", "judged_on", "ranking_rule", "recompute",
+                              "token_kinds_at_top", "erratum_template", "k_sweep", "k_star", "k_star_status"]
+    # K=2 agrees on all 4 held-out cases (valid, no CoT), but [0.51, 1.00] does not reach 0.95: no K*
+    assert cfg["k_star"] is None and cfg["k_star_status"] == "not established" and cfg["k_candidate"] == 2
+    assert cfg["n_cases"] == 4 and cfg["agreement"] == 1.0 and cfg["agreement_ci95"] == [0.5101, 1.0]
+    assert "about 73 held-out cases, all agreeing, would be needed" in cfg["reason"]
+    # the sweep starts at K = 0: field_only on the same held-out cases
+    assert [(r["k"], r["agreement"], r["n"]) for r in cfg["k_sweep"]] == [(0, 0.75, 4), (2, 1.0, 4)]
     assert cfg["erratum_template"] == ERRATUM_TEMPLATES["short"]
     assert [e["spec"] for e in cfg["strategies"]] == ["stale", "oracle", "cacheblend:0.15", "auto", "hoist",
                                                       "field_only", "erratum_turn", "selective:2:causal"]
@@ -140,8 +146,8 @@ def test_sweep_folder_export(lm, tmp_path):
     path = export_topk(sweep_folder(tmp_path / "sweep", lm.fingerprint()))
     assert path == tmp_path / "sweep" / "topk.yaml"
     cfg = yaml.safe_load(path.read_text())
-    assert cfg["schema_version"] == 2 and cfg["model"] == lm.fingerprint()
-    assert cfg["k_star"] is None and cfg["reason"] == NO_RANKING and "ranking_rule" not in cfg
+    assert cfg["schema_version"] == 3 and cfg["model"] == lm.fingerprint()
+    assert cfg["k_star"] is None and cfg["k_star_status"] == "no ranking" and cfg["reason"] == NO_RANKING and "ranking_rule" not in cfg
     assert cfg["erratum_template"] == ERRATUM_TEMPLATES["paper"]  # the one the erratum strategies share
     assert [e["spec"] for e in cfg["strategies"]] == ["stale", "oracle", "erratum", "erratum_turn"]
     erratum = entry(cfg, "erratum")  # both cells pooled: cases 0 and 1 are decisions, case 2 a control
@@ -152,10 +158,41 @@ def test_sweep_folder_export(lm, tmp_path):
     assert entry(cfg, "stale")["wall_s"] is None  # derived from the patch read: not timed
 
 
+def test_k_star_from_three_cases_is_not_established():
+    """A run with 3 held-out cases, all agreeing at K=2: the point estimate reaches 0.95 but the Wilson lower
+    bound is 0.44, so K* is "not established" (a percentile bootstrap would have said [1.0, 1.0])."""
+    edits = run_edits()
+    edits = edits[edits.case_id.isin(HELD[:3]) & ~edits.control]
+    edits.loc[edits.strategy == "field_only", "agree"] = False  # K = 0 (the field alone) misses: 0 of 3
+    fields = k_star_fields(k_sweep(edits), 0.95, max_downstream=5)
+    assert fields["k_star"] is None and fields["k_star_status"] == "not established"
+    assert fields["k_candidate"] == 2 and fields["n_cases"] == 3 and fields["agreement"] == 1.0
+    assert fields["agreement_ci95"] == [0.4385, 1.0]
+    assert k_star_fields(k_sweep(edits), 0.4, max_downstream=5)["k_star_status"] == "established"
+    edits.loc[edits.strategy == "selective:2:causal", "agree"] = [True, False, False]
+    never = k_star_fields(k_sweep(edits), 0.95, max_downstream=5)
+    assert never["k_star_status"] == "not reached" and never["k_star"] is None
+    assert never["reason"].endswith("the best, K=2, agrees 0.33")
+
+
+def test_cases_to_establish_matches_the_interval():
+    assert cases_to_establish(0.95) == 73 and cases_to_establish(0.8) == 16 and cases_to_establish(1.0) is None
+    assert proportion_ci(73, 73)[0] >= 0.95 > proportion_ci(72, 72)[0]
+
+
+def test_fifteen_of_fifteen_is_not_certain():
+    """15/15 agreement: the Wilson interval is [0.80, 1.00] (scipy), as the report and topk.yaml print it."""
+    share, lo, hi, n = proportion([1.0] * 15)
+    assert (share, n, hi) == (1.0, 15, 1.0) and lo == pytest.approx(0.7961, abs=1e-4)
+    assert proportion_ci(15, 15, method="exact")[0] == pytest.approx(0.7820, abs=1e-4)  # Clopper-Pearson
+    assert wilson_ci(1.0, 15) == proportion_ci(15, 15)
+
+
 # -- load, cheapest, ranking -----------------------------------------------------------------------
 def test_load_cheapest_and_ranking(lm, tmp_path):
     policy = P.load(export_topk(run_folder(tmp_path / "run", lm.fingerprint())), lm)
-    assert policy.k_star == 2 and policy.threshold == 0.95 and len(policy.strategies) == 8
+    assert policy.k_star is None and policy.k_star_status == "not established" and policy.threshold == 0.95
+    assert len(policy.strategies) == 8
     turn = next(e for e in policy.strategies if e.spec == "erratum_turn")
     assert turn.agreement_ci95 == (0.5101, 1.0) and turn.name == "erratum_turn"
     assert turn.describe() == ("erratum_turn: agreement 1.00 [0.51, 1.00] on 4 cases, controls 1/2, "
@@ -211,7 +248,7 @@ def test_bad_files_are_refused_in_one_line(lm, tmp_path):
     refused(broken, lm, "is not valid YAML (line")
     old = tmp_path / "old.yaml"
     old.write_text(yaml.safe_dump({"schema_version": 1, "k_star": 8, "erratum_template": "x"}))
-    refused(old, lm, "has schema_version 1, this kvprobe reads 2", "`kvprobe export-topk <results folder>` rewrites")
+    refused(old, lm, "has schema_version 1, this kvprobe reads 2 or 3", "`kvprobe export-topk <results folder>` rewrites")
     other = tmp_path / "other.yaml"
     other.write_text("a: 1\n")
     refused(other, lm, "is not a topk.yaml (no schema_version)")

@@ -17,7 +17,7 @@ from kvprobe.datasets.skills import generate_compose, segments
 from kvprobe.datasets.spans import option_ids
 from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.kv.readout import option_scores
-from kvprobe.metrics import compare, mean_ci
+from kvprobe.metrics import compare, mean_ci, proportion
 
 
 def option_token_ids(tokenizer, option: str) -> list[int]:
@@ -139,13 +139,13 @@ def store_path(folder, name: str):
 
 
 def summarize_compose(df) -> "pd.DataFrame":  # noqa: F821
-    """One row per (rerotate, seam): agreement, top-1 agreement, cosine and KL with bootstrap CIs."""
+    """One row per (rerotate, seam): agreement (Wilson CI), top-1 agreement, cosine and KL (bootstrap CIs)."""
     import pandas as pd
 
 
     rows = []
     for (rot, s), g in df.groupby(["rerotate", "seam"], sort=True):
-        agree, cos, kl = mean_ci(g.agree.astype(float)), mean_ci(g.cosine), mean_ci(g.kl)
+        agree, cos, kl = proportion(g.agree.astype(float)), mean_ci(g.cosine), mean_ci(g.kl)
         rows.append({"rerotate": bool(rot), "seam": int(s), "n": len(g),
                      "agreement": agree[0], "agreement_lo": agree[1], "agreement_hi": agree[2],
                      "top1_agreement": float(g.top1_agree.mean()),

@@ -1,10 +1,18 @@
 """The per-model top-K configuration for serving: K*, the ranking rule, the erratum template, and
 the evidence per strategy (``strategies``). :mod:`kvprobe.policy` reads it back.
 
-K* is the smallest K at which ``selective(K, causal)`` agrees with the oracle on at least
-``threshold`` of held-out cases (cases not used to learn the ranking). When no K up to the
-downstream length reaches it, the file says so (``k_star: null`` with the reason) instead of
-inventing a number.
+K* is the smallest K at which ``selective(K, causal)`` agrees with the oracle on held-out cases
+(cases not used to learn the ranking) with the lower end of its Wilson 95% interval at or above
+``threshold``. The sweep starts at K = 0 (the field alone, ``field_only`` on the same cases).
+``k_star_status`` says how it stands:
+
+- ``established``: ``k_star`` is that K, with its agreement, interval and ``n_cases``;
+- ``not established``: some K reaches the threshold on its point estimate but no lower bound
+  does (too few held-out cases: 15 of 15 gives [0.80, 1.00]); ``k_star`` is null, ``k_candidate``
+  the smallest such K with its agreement, interval and ``n_cases``, and ``reason`` how many
+  agreeing cases would establish it;
+- ``not reached``: no K up to the downstream length reaches the threshold even on its point
+  estimate; ``no ranking``: no causal ranking was learned (or, from a sweep, none is measured).
 
 A ``kvprobe sweep`` folder exports too: its file has the model fingerprint, the strategies
 section (every valid case of every cell) and ``k_star: null``, since a sweep learns no ranking.
@@ -12,6 +20,7 @@ section (every valid case of every cell) and ``k_star: null``, since a sweep lea
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -20,7 +29,7 @@ import yaml
 
 from kvprobe.editor.strategies import Erratum, parse_strategy
 from kvprobe.errors import KvprobeError
-from kvprobe.metrics import mean_ci, wilson_ci
+from kvprobe.metrics import mean_ci, proportion, proportion_ci, wilson_ci
 from kvprobe.policy import SCHEMA_VERSION, TOPK_FILE
 from kvprobe.results import (
     EDITS,
@@ -35,22 +44,69 @@ from kvprobe.results import (
     read_table,
 )
 
-__all__ = ["SCHEMA_VERSION", "TOPK_FILE", "export_topk", "k_sweep", "kinds_of_top", "strategy_evidence",
+__all__ = ["SCHEMA_VERSION", "TOPK_FILE", "cases_to_establish", "export_topk", "k_star_fields", "k_sweep", "kinds_of_top", "strategy_evidence",
            "topk_config", "write_topk"]
 NO_RANKING = "a sweep measures no causal ranking"
+Z95 = 1.959963984540054  # the normal quantile of a two-sided 95% interval
 
 
 def k_sweep(edits: pd.DataFrame, ranking: str = "causal") -> pd.DataFrame:
-    """Agreement with the oracle per K for ``selective:K:<ranking>`` (valid, held-out, no CoT)."""
-    sel = edits[(edits.strategy.str.startswith("selective:")) & (edits.ranking == ranking) & (edits.cot == 0)]
+    """Agreement with the oracle per K for ``selective:K:<ranking>`` (no CoT), from K = 0: the
+    ``field_only`` rows of the same cases. Agreement has a Wilson 95% interval, recovery a bootstrap one."""
+    no_cot = edits[edits.cot == 0]
+    sel = no_cot[no_cot.strategy.str.startswith("selective:") & (no_cot.ranking == ranking)]
+    groups = [(int(k), g) for k, g in sel.groupby("k")]
+    field = no_cot[(no_cot.strategy == "field_only") & no_cot.case_id.isin(set(sel.case_id))]
+    if groups and len(field):
+        groups.insert(0, (0, field))
     rows = []
-    for k, g in sel.groupby("k"):
-        mean, lo, hi, n = mean_ci(g.agree.astype(float))
+    for k, g in groups:
+        mean, lo, hi, n = proportion(g.agree.astype(float))
         rec = mean_ci(g.recovery)
-        rows.append({"k": int(k), "agreement": mean, "agreement_lo": lo, "agreement_hi": hi, "n": n,
+        rows.append({"k": k, "agreement": mean, "agreement_lo": lo, "agreement_hi": hi, "n": n,
                      "recovery": rec[0], "recovery_lo": rec[1], "recovery_hi": rec[2],
                      "frac_recomputed": float(g.frac_recomputed.mean())})
     return pd.DataFrame(rows).sort_values("k") if rows else pd.DataFrame(rows)
+
+
+def cases_to_establish(threshold: float) -> int | None:
+    """The fewest cases, all agreeing, whose Wilson 95% lower bound n / (n + z^2) reaches ``threshold``
+    (None for a threshold of 1, which no sample reaches)."""
+    if threshold >= 1:
+        return None
+    n = max(1, math.ceil(threshold * Z95 ** 2 / (1 - threshold)) - 1)
+    while proportion_ci(n, n)[0] < threshold:  # the closed form, checked against scipy's interval
+        n += 1
+    return n
+
+
+def k_star_fields(sweep: pd.DataFrame, threshold: float, max_downstream: int) -> dict:
+    """``k_star``, ``k_star_status`` and the evidence behind them (see the module docstring)."""
+    def evidence(row) -> dict:
+        return {"agreement": round(float(row.agreement), 4),
+                "agreement_ci95": [round(float(row.agreement_lo), 4), round(float(row.agreement_hi), 4)],
+                "n_cases": int(row.n)}
+
+    if not len(sweep):
+        return {"k_star": None, "k_star_status": "not reached", "reason": "no selective:K:causal results on "
+                                                                          "held-out cases"}
+    established = sweep[sweep.agreement_lo >= threshold]
+    if len(established):
+        return {"k_star": int(established.iloc[0].k), "k_star_status": "established", **evidence(established.iloc[0])}
+    reached = sweep[sweep.agreement >= threshold]
+    if len(reached):
+        best = reached.iloc[0]
+        need = cases_to_establish(threshold)
+        more = f"about {need} held-out cases, all agreeing, would be needed" if need else "no sample size would do"
+        return {"k_star": None, "k_star_status": "not established", "k_candidate": int(best.k), **evidence(best),
+                "reason": (f"K={int(best.k)}{' (the field alone)' if best.k == 0 else ''} agrees "
+                           f"{best.agreement:.2f} [{best.agreement_lo:.2f}, "
+                           f"{best.agreement_hi:.2f}] on n={int(best.n)} held-out cases: its 95% lower bound is "
+                           f"below the threshold {threshold:g} ({more})")}
+    return {"k_star": None, "k_star_status": "not reached",
+            "reason": (f"no K up to {int(sweep.k.max())} (downstream length up to {max_downstream}) reached agreement "
+                       f">= {threshold:g} with the oracle; the best, K={int(sweep.loc[sweep.agreement.idxmax()].k)}, "
+                       f"agrees {sweep.agreement.max():.2f}")}
 
 
 def _num(value, digits: int) -> float | None:
@@ -96,25 +152,17 @@ def topk_config(edits: pd.DataFrame, fingerprint: dict, rule: dict, kinds_at_top
     sweep = k_sweep(edits)
     if isinstance(rule.get("scores"), dict):  # best first (JSON storage sorts keys alphabetically)
         rule = {**rule, "scores": dict(sorted(rule["scores"].items(), key=lambda kv: -kv[1]))}
-    reached = sweep[sweep.agreement >= threshold] if len(sweep) else sweep
     cfg = {"schema_version": SCHEMA_VERSION, "model": fingerprint, "threshold": threshold,
            "judged_on": "held-out valid decision cases, not used to learn the ranking; no chain-of-thought",
            "ranking_rule": rule, "recompute": {"positions": "field span + top-K downstream by the ranking rule",
                                                 "layers": "all" if n_layers is None else f"all {n_layers}"},
            "token_kinds_at_top": kinds_at_top, "erratum_template": erratum_template,
            "k_sweep": sweep.round(4).to_dict("records")}
-    if len(reached):
-        best = reached.iloc[0]
-        cfg.update(k_star=int(best.k), agreement=round(float(best.agreement), 4),
-                   agreement_ci95=[round(float(best.agreement_lo), 4), round(float(best.agreement_hi), 4)],
-                   n_cases=int(best.n))
-    elif not rule.get("n_training_cases"):
-        cfg.update(k_star=None, reason=rule.get("note") or "the causal ranking rule has no training cases")
+    if not rule.get("n_training_cases"):
+        cfg.update(k_star=None, k_star_status="no ranking",
+                   reason=rule.get("note") or "the causal ranking rule has no training cases")
     else:
-        tried = int(sweep.k.max()) if len(sweep) else 0
-        cfg.update(k_star=None, reason=(f"no K up to {tried} (downstream length up to {max_downstream}) reached "
-                                        f"agreement >= {threshold} with the oracle" if len(sweep)
-                                        else "no selective:K:causal results on held-out cases"))
+        cfg.update(k_star_fields(sweep, threshold, max_downstream))
     cfg["strategies"] = strategies or []
     return cfg
 
@@ -204,5 +252,5 @@ def export_sweep(folder: Path, out: Path | str | None = None, threshold: float =
     cfg = {"schema_version": SCHEMA_VERSION, "model": manifest["model"], "threshold": threshold,
            "judged_on": "every valid case of every cell of the sweep (layouts pooled); no chain-of-thought",
            "erratum_template": templates.pop() if len(templates) == 1 else None,
-           "k_star": None, "reason": NO_RANKING, "strategies": strategy_evidence(rows, "name")}
+           "k_star": None, "k_star_status": "no ranking", "reason": NO_RANKING, "strategies": strategy_evidence(rows, "name")}
     return write_topk(cfg, out or folder / TOPK_FILE)

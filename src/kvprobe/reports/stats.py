@@ -14,13 +14,14 @@ from dataclasses import dataclass
 import numpy as np
 from markupsafe import Markup, escape
 
-from kvprobe.metrics import mean_ci, wilson_ci
+from kvprobe.metrics import mean_ci, proportion, wilson_ci
 
 MIN_N = 10
 MAX_CI_WIDTH = 0.5
-RULE = (f"A number is marked inconclusive when it rests on fewer than {MIN_N} cases or its 95% CI "
-        f"(percentile bootstrap over cases; Wilson for linear-probe accuracies) is missing or wider than "
-        f"{MAX_CI_WIDTH}.")
+RULE = (f"Shares (agreement, invariance, validity, accuracy) carry Wilson 95% intervals, which stay honest at "
+        f"0 or 1 (15 of 15 is [0.80, 1.00]); means (recovery, shares of a case's effect) a percentile bootstrap "
+        f"over cases. A number is marked inconclusive when it rests on fewer than {MIN_N} cases or its 95% CI "
+        f"is missing or wider than {MAX_CI_WIDTH}.")
 
 
 def _f(x: float, digits: int = 2) -> str:
@@ -41,6 +42,11 @@ class Stat:
     @classmethod
     def of(cls, values) -> "Stat":
         return cls(*mean_ci(values))
+
+    @classmethod
+    def share(cls, values) -> "Stat":
+        """The share of yes (1) among yes/no ``values`` (NaNs dropped), with its Wilson 95% interval."""
+        return cls(*proportion(values))
 
     @classmethod
     def wilson(cls, p: float, n: int, z: float = 1.96) -> "Stat":
