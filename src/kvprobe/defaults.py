@@ -26,3 +26,6 @@ def checked_form(form: str) -> str:
     if form not in FORMS:
         raise ValueError(f"unknown prompt form {form!r}; accepted: {', '.join(FORMS)}")
     return form
+# the composition gate (kvprobe validate, and the report's headline for a run with --compose)
+GATE_SEAM = 4  # seam-repair width gated on
+GATE_THRESHOLD = 0.9  # minimum re-rotated agreement with a full prefill there

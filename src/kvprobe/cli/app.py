@@ -15,6 +15,7 @@ import typer
 
 from kvprobe import __version__
 from kvprobe.cli.common import console, err_console
+from kvprobe.cli.compare import compare
 from kvprobe.cli.datasets import datasets_app
 from kvprobe.cli.diagnose import diagnose
 from kvprobe.cli.edit import edit, strategies
@@ -50,6 +51,7 @@ app.command("strategies")(strategies)
 app.command("validate")(validate)
 app.command("export-topk")(export_topk)
 app.command("report")(report)
+app.command("compare")(compare)
 app.add_typer(serve_app, name="serve")
 app.command("serve-bench")(serve_bench)
 

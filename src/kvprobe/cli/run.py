@@ -83,26 +83,25 @@ def run(ctx: typer.Context,
 
 
 def _print_headline(out: Path, cfg) -> None:
-    """The edit table of the configured strategies (the K sweep is in the report), then K*."""
+    """The edit table of the configured strategies (the K sweep is in the report), then the answer: the
+    report's headline facts, also written to summary.json."""
+    import json
+
     import pandas as pd
 
     from kvprobe.cli.edit import print_summary
+    from kvprobe.reports.summary import SUMMARY, write_summary
     from kvprobe.results import EDITS
 
     if (out / EDITS).exists():
         df = pd.read_parquet(out / EDITS)
         labels = [s.label for s in cfg.edit_strategies()]
         print_summary(df[df.strategy.isin(labels)], False, str(out), cfg.min_flip)
-    topk = out / "topk.yaml"
-    if topk.exists():
-        import yaml
-
-        k = yaml.safe_load(topk.read_text())
-        if k.get("k_star") is not None:
-            console.print(f"K* = {k['k_star']} (agreement {k['agreement']:.2f}, 95% CI {k['agreement_ci95']}, "
-                          f"n={k['n_cases']}); {topk}")
-        else:
-            console.print(f"K*: none. {k.get('reason')}; {topk}", markup=False)
+    summary = write_summary(out)
+    console.print("[bold]The answer[/bold]")
+    for sentence in json.loads(summary.read_text(encoding="utf-8"))["headline"]:
+        console.print(f"- {sentence}", markup=False, highlight=False)
+    console.print(f"{SUMMARY}: {summary}")
 
 
 def export_topk(results_dir: Path = typer.Argument(..., help="a `kvprobe run` or `kvprobe sweep` results folder"),

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from kvprobe.cli import options as opt
 from kvprobe.cli.common import console, load_with_status, progress_bar, usable_out
+from kvprobe.defaults import GATE_SEAM, GATE_THRESHOLD
 from kvprobe.errors import CheckFailed, UsageError
 
 
@@ -23,8 +24,8 @@ class GateFailed(CheckFailed):
 def validate(model: opt.Model = opt.DEFAULTS["model"], n: int = typer.Option(50, min=1, help="decision queries"),
              seed: opt.Seed = 0,
              seams: str = typer.Option("0,1,2,4,8,16,32", help="comma-separated seam-repair widths s, each >= 0"),
-             seam: int = typer.Option(4, min=0, help="the gated seam width"),
-             threshold: float = typer.Option(0.9, min=0.0, max=1.0,
+             seam: int = typer.Option(GATE_SEAM, min=0, help="the gated seam width"),
+             threshold: float = typer.Option(GATE_THRESHOLD, min=0.0, max=1.0,
                                              help="minimum agreement with full recompute at --seam"),
              block_tokens: str = typer.Option("200,400", help="min,max tokens per skill block"),
              blocks: str = typer.Option("1,4", help="min,max blocks per context"),

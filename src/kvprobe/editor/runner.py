@@ -74,6 +74,7 @@ def edit_case(lm, a: AlignedCase, strategies: Sequence[Strategy], cot_tokens: in
             "frac_recomputed": float(edited.recomputed) / edited.total, "wall_s": edited.wall_s,
             "decide_s": decide_s.get(s.label, float("nan")),
             "rewritten_prompt": edited.rewritten_prompt, "generated": text, "error": None,
+            "note": edited.note, "chose": edited.chose,
         })
     df = pd.DataFrame(rows)
     df.insert(0, "model", model_name)

@@ -36,15 +36,15 @@ def _env() -> Environment:
 
 
 def build(runs: list[Run]) -> dict:
-    """The template context: the registered sections in order (only those some folder has data for) × runs.
-    A section's number is its place among all registered sections, so it does not depend on the folders."""
+    """The template context: the registered sections in order (only those some folder has data for) × runs,
+    numbered 1, 2, ... as shown."""
     sections = []
-    for number, sec in enumerate(in_order(), start=1):
+    for sec in in_order():
         cells = [sec.build(run) for run in runs]
         if all(c is None for c in cells):
             continue
-        sections.append({"id": sec.id, "title": f"{number}. {sec.title}", "needs": sec.needs, "intro": sec.intro,
-                         "template": sec.template, "cells": cells})
+        sections.append({"id": sec.id, "title": f"{len(sections) + 1}. {sec.title}", "needs": sec.needs,
+                         "intro": sec.intro, "template": sec.template, "cells": cells})
     return {"runs": runs, "sections": sections, "rule": RULE, "min_n": MIN_N, "max_ci_width": MAX_CI_WIDTH,
             "tokens_file": TOKENS}
 

@@ -1,0 +1,57 @@
+"""``kvprobe compare``: one table across `kvprobe run` folders (:mod:`kvprobe.reports.compare`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from kvprobe.cli.common import console
+
+
+def compare(results_dirs: list[Path] = typer.Argument(..., help="`kvprobe run` results folders (models or runs)"),
+            csv_out: Path | None = typer.Option(None, "--csv", help="also write one row per folder and strategy "
+                                                                    "as CSV here"),
+            json_out: Path | None = typer.Option(None, "--json", help="also write the folders' summaries (the "
+                                                                      "summary.json schema) as JSON here"),
+            html_out: Path | None = typer.Option(None, "--html", help="also write a self-contained comparison "
+                                                                      "page here"),
+            threshold: float | None = typer.Option(None, min=0.0, max=1.0, show_default="each folder's topk.yaml, "
+                                                   "else 0.95", help="agreement whose Wilson 95% lower bound a "
+                                                                     "recommended repair and K* must reach")) -> None:
+    """Compare results folders in one table: where the decision lives, the repair to use, K*, the
+    composition gate and valid cases per folder, then every strategy's agreement side by side."""
+    from kvprobe.cli.common import usable_file
+    from kvprobe.reports import compare as C
+
+    outs = [p for p in (csv_out, json_out, html_out) if p is not None]
+    for p in outs:
+        usable_file(p)
+    if len(set(outs)) < len(outs):
+        from kvprobe.errors import UsageError
+
+        raise UsageError("--csv, --json and --html name the same file; give each its own path")
+    sums = C.summaries(results_dirs, threshold)
+    heads = [C.headline_cells(s) for s in sums]
+    table = Table(title="the answer, per folder", show_lines=True)
+    for col in heads[0]:
+        table.add_column(col, overflow="fold")
+    for h in heads:
+        table.add_row(*h.values())
+    console.print(table)
+    names, cells = C.strategy_matrix(sums)
+    table = Table(title="agreement with the oracle (Wilson 95% CI, n) and share recomputed")
+    table.add_column("strategy")
+    for s in sums:
+        table.add_column(s["model"], justify="right", overflow="fold")
+    for name, row in zip(names, cells):
+        table.add_row(name, *row)
+    console.print(table)
+    if csv_out:
+        console.print(f"wrote {C.write_text(csv_out, C.to_csv(sums))}")
+    if json_out:
+        console.print(f"wrote {C.write_text(json_out, json.dumps(C.to_json(sums), indent=1) + chr(10))}")
+    if html_out:
+        console.print(f"wrote {C.write_text(html_out, C.render_compare_html(sums))}")

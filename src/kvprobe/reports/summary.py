@@ -1,0 +1,348 @@
+"""The answer of one results folder in five facts, for the report's headline, the end of ``kvprobe
+run``, ``summary.json`` and ``kvprobe compare``: a pure function of the folder's files.
+
+1. **Where the decision lives** (``where``): the field-only patch's recovery and its verdict by the
+   rule of :mod:`kvprobe.sweep.summary` (its 95% CI below 1/3: downstream notes; above 2/3: the
+   field; between: mixed), with the downstream span's and the top notes' recovery beside it.
+2. **The repair to use** (``repair``): the cheapest strategy (share of tokens recomputed, then time
+   to the decision) whose agreement with the oracle has a Wilson 95% lower bound at or above the
+   threshold; when none has, ``recommended`` is null and ``closest`` the one with the highest bound.
+3. **K\\*** (``k_star``): established only where its lower bound reaches the threshold
+   (:func:`kvprobe.editor.topk.k_star_fields`), recomputed from the folder's tables.
+4. **The composition gate** (``composition``), where the run composed: re-rotated agreement at the
+   gated seam against the gate's threshold.
+5. **Validity** (``validity``): how many cases count and why the others were dropped.
+
+``strategies`` is the main strategy table (the configured strategies, no chain-of-thought, valid
+decision cases; control invariance over the valid controls). Every share is a Wilson 95%
+interval, every mean a percentile bootstrap over cases. The file's schema is
+``summary.schema.json`` beside this module (documented in docs/summary.md); :data:`SCHEMA_VERSION`
+changes whenever a key changes meaning.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from kvprobe.composer.gate import summarize_compose
+from kvprobe.defaults import GATE_SEAM, GATE_THRESHOLD
+from kvprobe.editor.topk import cases_to_establish, k_star_fields, k_sweep
+from kvprobe.metrics import summarize_edits, valid_case_ids
+from kvprobe.reports.folder import Run, load_run
+from kvprobe.reports.stats import Stat
+from kvprobe.results import COMPOSE, EDITS, LOCALITY, VALIDITY, atomic_write_json
+from kvprobe.sweep.summary import FIELD_ABOVE, NOTES_BELOW, verdict
+
+SUMMARY = "summary.json"
+SCHEMA = Path(__file__).with_name("summary.schema.json")
+SCHEMA_VERSION = 1
+DEFAULT_THRESHOLD = 0.95  # as `kvprobe export-topk`
+WHERE = {"takes notes": "downstream notes", "reads the field": "the field", "mixed": "mixed",
+         "inconclusive": "inconclusive"}
+TOP_K = 8  # the top-notes figure quoted beside the verdict (the middle K when the run has no 8)
+NOT_REPAIRS = ("stale", "oracle")  # the baselines: never recommended
+REPAIR_RULE = ("the cheapest strategy (share of tokens recomputed, then time to the decision) whose agreement with "
+               "the oracle has a Wilson 95% lower bound at or above the threshold")
+WHERE_RULE = (f"the field-only patch's recovery: its 95% CI below {NOTES_BELOW:.2f} means downstream notes, above "
+              f"{FIELD_ABOVE:.2f} the field, between or straddling mixed; under 10 cases inconclusive")
+
+
+# -- numbers as the file stores them ---------------------------------------------------------------
+def _num(x, digits: int = 4):
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return None
+    return round(x, digits) if math.isfinite(x) else None
+
+
+def stat_dict(st: Stat | None) -> dict | None:
+    """``{"value", "lo", "hi", "n"}`` (nulls where not measured); None for no Stat."""
+    if st is None:
+        return None
+    return {"value": _num(st.mean), "lo": _num(st.lo), "hi": _num(st.hi), "n": int(st.n)}
+
+
+def stat_text(d: dict | None, digits: int = 2) -> str:
+    """``0.98 [0.91, 1.00] n=60`` from a :func:`stat_dict` (``n/a`` where there is none)."""
+    if not d or d.get("value") is None:
+        return f"n/a (n={d['n']})" if d else "n/a"
+    ci = f" [{d['lo']:.{digits}f}, {d['hi']:.{digits}f}]" if d.get("lo") is not None else " [no CI]"
+    return f"{d['value']:.{digits}f}{ci} n={d['n']}"
+
+
+# -- the tables the facts rest on --------------------------------------------------------------------
+def main_edits(run: Run) -> pd.DataFrame:
+    """The configured strategies' rows (every non-selective row, and the selective ones the config
+    names) without chain-of-thought, one per case and strategy (a held-out K sweep can repeat one)."""
+    e = run.table(EDITS)
+    if e.empty or "strategy" not in e:
+        return e
+    configured = set(run.config.get("strategies") or [])
+    e = e[~e["strategy"].str.startswith("selective:") | e["strategy"].isin(configured)]
+    e = e[e["cot"] == 0] if "cot" in e else e
+    return e.drop_duplicates(["case_id", "strategy"], keep="first")
+
+
+def _strategy_order(run: Run, names) -> list[str]:
+    cfg = list(run.config.get("strategies") or [])
+    return [s for s in cfg if s in set(names)] + sorted(set(names) - set(cfg))
+
+
+def strategy_rows(run: Run) -> list[dict]:
+    """The main strategy table: per strategy, agreement and recovery over the valid decision cases,
+    control invariance over the valid controls, cost, time and the editor's notes."""
+    e = main_edits(run)
+    if e.empty:
+        return []
+    control = e["control"].astype(bool) if "control" in e else pd.Series(False, index=e.index)
+    dec = e[~control]
+    if "valid" in dec:
+        ids = valid_case_ids(dec)
+        dec = dec[dec["case_id"].isin(ids)] if ids else dec
+    ctl = e[control & e["valid"].astype(bool)] if "valid" in e else e[control]
+    summ = summarize_edits(dec, by=("strategy",)) if len(dec) else pd.DataFrame()
+    rows = []
+    for name in _strategy_order(run, e["strategy"].unique()):
+        r = summ[summ["strategy"] == name] if len(summ) else summ
+        g = dec[dec["strategy"] == name]
+        c = ctl[ctl["strategy"] == name]
+        c = c[c["agree"].notna()] if "agree" in c else c
+        notes = g["note"].dropna().astype(str) if "note" in g else pd.Series(dtype=str)
+        notes = notes[notes != ""]
+        errors = int(g["error"].notna().sum()) if "error" in g else 0
+        row = {"strategy": name, "n": len(g), "errors": errors,
+               "control_invariance": stat_dict(Stat.share(c["agree"].astype(float))) if len(c) else None,
+               "notes": [{"note": n, "cases": int(k)} for n, k in notes.value_counts().items()]}
+        if len(r):
+            r = r.iloc[0]
+            row |= {"agreement": stat_dict(Stat(r.agreement, r.agreement_lo, r.agreement_hi,
+                                                int(r.n) - errors)),
+                    "recovery": stat_dict(Stat(r.recovery, r.recovery_lo, r.recovery_hi, int(r.n_recovery))),
+                    "frac_recomputed": _num(r.frac_recomputed), "repair_ms": _num(r.wall_ms, 2),
+                    "to_decision_ms": _num(r.to_decision_ms, 2)}
+        else:
+            row |= {"agreement": None, "recovery": None, "frac_recomputed": None, "repair_ms": None,
+                    "to_decision_ms": None}
+        rows.append(row)
+    return rows
+
+
+# -- the five facts -------------------------------------------------------------------------------------
+def where(run: Run) -> dict | None:
+    """Where the decision lives, from the locality probe's patches (or, without it, ``field_only``)."""
+    loc = run.table(LOCALITY)
+    found = {}
+    if len(loc) and "set" in loc and (loc["metric"] == "recovery").any():
+        rec = loc[(loc["metric"] == "recovery")]
+        rec = rec[~rec["control"].astype(bool)] if "control" in rec else rec
+        if "oracle_flip" in rec:
+            flips = rec.groupby("case_id")["oracle_flip"].first().abs()
+            rec = rec[rec["case_id"].isin(flips[flips >= run.min_flip].index)]
+        per_case = rec.groupby(["case_id", "set", "k"], dropna=False)["value"].mean().reset_index()
+        for name in ("field", "downstream"):
+            found[name] = Stat.of(per_case[per_case["set"] == name]["value"])
+        ks = sorted(set(per_case[per_case["set"] == "topk"]["k"].dropna().astype(int)))
+        if ks:
+            k = TOP_K if TOP_K in ks else ks[len(ks) // 2]
+            found["top"] = (k, Stat.of(per_case[(per_case["set"] == "topk") & (per_case["k"] == k)]["value"]),
+                            Stat.of(per_case[(per_case["set"] == "randomk") & (per_case["k"] == k)]["value"]))
+        source = "the locality probe's field-only patch"
+    else:
+        e = main_edits(run)
+        g = e[(e["strategy"] == "field_only") & ~e["control"].astype(bool)] if len(e) and "control" in e else e[:0]
+        if "valid" in g and g["valid"].any():
+            g = g[g["valid"].astype(bool)]
+        if not len(g):
+            return None
+        found["field"] = Stat.of(g["recovery"])
+        source = "the field_only strategy's recovery"
+    field = found["field"]
+    v = verdict(field.lo, field.hi, field.n)
+    out = {"verdict": v, "where": WHERE[v], "source": source, "rule": WHERE_RULE,
+           "field_recovery": stat_dict(field), "downstream_recovery": stat_dict(found.get("downstream")),
+           "top_notes": None}
+    if not field.n:
+        out["sentence"] = (f"Where the decision lives is inconclusive: no valid case has an oracle flip of at least "
+                           f"{run.min_flip:g} logit{'' if run.min_flip == 1 else 's'}, so no recovery can be measured.")
+        return out
+    parts = [f"the field alone recovers {stat_text(out['field_recovery'])} of the edit"]
+    if found.get("downstream") and found["downstream"].n:
+        parts.append(f"the downstream span {stat_text(out['downstream_recovery'])}")
+    if "top" in found:
+        k, top, rand = found["top"]
+        out["top_notes"] = {"k": k, "recovery": stat_dict(top), "random_k": stat_dict(rand)}
+        parts.append(f"the top {k} notes {stat_text(stat_dict(top))} (random {k}: {top_text(rand)})")
+    head = {"takes notes": "The decision lives in downstream notes",
+            "reads the field": "The decision reads the field itself",
+            "mixed": "The decision is mixed: partly the field, partly downstream notes",
+            "inconclusive": "Where the decision lives is inconclusive"}[v]
+    out["sentence"] = f"{head}: {'; '.join(parts)} (recovery, 95% CI)."
+    return out
+
+
+def top_text(st: Stat) -> str:
+    return stat_text(stat_dict(st))
+
+
+def repair(rows: list[dict], threshold: float) -> dict | None:
+    """The recommended repair by :data:`REPAIR_RULE` among ``rows`` (:func:`strategy_rows`)."""
+    tried = [r for r in rows if r["strategy"] not in NOT_REPAIRS and r["agreement"] and r["agreement"]["lo"] is not None]
+    if not tried:
+        return None
+    cost = lambda r: (r["frac_recomputed"] if r["frac_recomputed"] is not None else math.inf,  # noqa: E731
+                      r["to_decision_ms"] if r["to_decision_ms"] is not None else math.inf)
+    ok = sorted((r for r in tried if r["agreement"]["lo"] >= threshold), key=cost)
+    pick = ok[0] if ok else None
+    closest = max(tried, key=lambda r: (r["agreement"]["lo"], -cost(r)[0]))
+    need = cases_to_establish(threshold)
+    out = {"rule": REPAIR_RULE, "threshold": threshold, "recommended": pick["strategy"] if pick else None,
+           "closest": None if pick else closest["strategy"], "qualifying": [r["strategy"] for r in ok],
+           "cases_to_establish": need}
+    r = pick or closest
+    out |= {k: r[k] for k in ("agreement", "control_invariance", "frac_recomputed", "repair_ms", "to_decision_ms")}
+    cost_text = _cost_text(r)
+    if pick:
+        out["sentence"] = (f"Repair with {pick['strategy']}: agreement {stat_text(r['agreement'])}, {cost_text}"
+                           f"{_controls_text(r)}.")
+    else:
+        out["sentence"] = (f"No repair is established at {threshold:g}: no strategy's 95% lower bound reaches it. "
+                           f"The closest is {closest['strategy']}, agreement {stat_text(r['agreement'])}, {cost_text}"
+                           f"{_controls_text(r)}; only a full re-prefill is known to be right"
+                           + (f" (a lower bound of {threshold:g} takes at least {need} valid cases, all agreeing)."
+                              if need else "."))
+    return out
+
+
+def _cost_text(r: dict) -> str:
+    frac = f"{100 * r['frac_recomputed']:.1f}% of tokens recomputed" if r["frac_recomputed"] is not None else \
+        "recomputed share not measured"
+    ms = r["to_decision_ms"] if r["to_decision_ms"] is not None else r["repair_ms"]
+    what = "to the decision" if r["to_decision_ms"] is not None else "repair"
+    return f"{frac}, {ms / 1000:.2f} s {what}" if ms is not None else frac
+
+
+def _controls_text(r: dict) -> str:
+    c = r["control_invariance"]
+    if not c or c["value"] is None:
+        return ""
+    kept = round(c["value"] * c["n"])
+    return f"; it keeps the answer on {kept} of {c['n']} negative controls"
+
+
+def k_star(run: Run, threshold: float) -> dict | None:
+    """K* from the folder's held-out K sweep (see :func:`kvprobe.editor.topk.k_star_fields`)."""
+    rule = run.ranking_rule
+    e = run.table(EDITS)
+    if not rule or e.empty or "strategy" not in e:
+        return None
+    held = e[e["case_id"].isin(set(rule.get("held_out_cases") or [])) & ~e["control"].astype(bool)]
+    held = held[held["valid"].astype(bool)] if "valid" in held else held
+    if not (rule.get("rule") or {}).get("n_training_cases"):
+        out = {"k_star": None, "k_star_status": "no ranking",
+               "reason": (rule.get("rule") or {}).get("note") or "the causal ranking rule has no training cases"}
+    else:
+        max_down = int(rule.get("max_downstream") or 0)
+        out = k_star_fields(k_sweep(held), threshold, max_down)
+    k = out.get("k_star", out.get("k_candidate"))
+    ev = ({"value": out["agreement"], "lo": out["agreement_ci95"][0], "hi": out["agreement_ci95"][1],
+           "n": out["n_cases"]} if "agreement" in out else None)
+    res = {"status": out["k_star_status"], "k_star": out["k_star"], "k": k, "agreement": ev,
+           "reason": out.get("reason"), "threshold": threshold}
+    if out["k_star_status"] == "established":
+        res["sentence"] = (f"K* = {k}: the field plus the top {k} ranked positions agree {stat_text(ev)} on held-out "
+                           f"cases, lower bound at or above {threshold:g}.")
+    elif out["k_star_status"] == "no ranking":
+        res["sentence"] = f"K*: none, since no causal ranking was learned ({out.get('reason')})."
+    else:
+        res["sentence"] = f"K* {out['k_star_status']}: {out.get('reason')}."
+    return res
+
+
+def composition(run: Run) -> dict | None:
+    """The composition gate at the gated seam, re-rotated (as ``kvprobe validate``)."""
+    df = run.table(COMPOSE)
+    if df.empty:
+        return None
+    cm = run.compose_manifest
+    seam = int(cm.get("gated_seam", GATE_SEAM))
+    threshold = float(cm.get("threshold", GATE_THRESHOLD))
+    summ = summarize_compose(df)
+    rot = summ[summ.rerotate]
+    if rot.empty:
+        return None
+    if seam not in set(rot.seam):  # a run with other seams: the nearest one
+        seam = int(min(rot.seam, key=lambda s: (abs(s - seam), s)))
+    r = rot[rot.seam == seam].iloc[0]
+    st = stat_dict(Stat(r.agreement, r.agreement_lo, r.agreement_hi, int(r.n)))
+    passed = bool(r.agreement >= threshold)
+    return {"seam": seam, "threshold": threshold, "agreement": st, "passed": passed,
+            "established": bool(st["lo"] is not None and st["lo"] >= threshold),
+            "sentence": (f"Composition gate {'passes' if passed else 'fails'}: a moved, re-rotated block agrees with "
+                         f"a full prefill {stat_text(st)} at seam {seam} (threshold {threshold:g}"
+                         f"{'' if not passed or st['lo'] >= threshold else '; its lower bound is below it'}).")}
+
+
+def validity(run: Run) -> dict | None:
+    """How many cases count, and why the others were dropped."""
+    m = run.manifest
+    if not m:
+        return None
+    counts = m.get("counts", {})
+    v = run.table(VALIDITY)
+    dec = v[~v["control"].astype(bool)] if len(v) and "control" in v else v
+    share = stat_dict(Stat.share(dec["valid"].astype(float))) if len(dec) else None
+    dropped = {reason_text(k): int(n) for k, n in (m.get("invalid_reasons") or {}).items()}
+    skipped: dict[str, int] = {}
+    for s in m.get("skipped") or []:
+        skipped[s.get("reason", "?")] = skipped.get(s.get("reason", "?"), 0) + 1
+    out = {"cases": counts.get("cases"), "aligned": counts.get("aligned"), "decision": len(dec) if len(v) else None,
+           "valid_decision": counts.get("valid_decision"), "valid_share": share,
+           "valid_controls": counts.get("valid_control"), "controls": int(len(v) - len(dec)) if len(v) else None,
+           "invalid": dropped, "skipped": skipped}
+    why = [f"{n} {r}" for r, n in sorted(dropped.items(), key=lambda kv: -kv[1])]
+    why += [f"{n} skipped ({r})" for r, n in skipped.items()]
+    out["sentence"] = (f"{out['valid_decision']} of {out['decision']} decision cases are valid (the model answers "
+                       f"right under both values; {stat_text(share)})"
+                       + (f"; dropped: {', '.join(why)}" if why else "")
+                       + (f"; {out['valid_controls']} of {out['controls']} negative controls valid"
+                          if out["controls"] else "") + "."
+                       + (" No case is valid: every number below is over all probed cases and says nothing about "
+                          "editing a model that decides." if out["valid_decision"] == 0 else ""))
+    return out
+
+
+def reason_text(reason: str) -> str:
+    """An invalid-case reason in words (manifests before 0.1 wrote "wrong under old value wrong under new value")."""
+    if "old" in reason and "new" in reason:
+        return "wrong under both values"
+    return reason
+
+
+# -- the summary --------------------------------------------------------------------------------------------
+def summarize_run(run: Run, threshold: float | None = None) -> dict:
+    """The five facts of ``run`` (see the module docstring), ``threshold`` defaulting to its topk.yaml's."""
+    if threshold is None:
+        t = run.topk.get("threshold") if isinstance(run.topk, dict) else None
+        threshold = float(t) if isinstance(t, (int, float)) and 0 <= t <= 1 else DEFAULT_THRESHOLD
+    rows = strategy_rows(run)
+    facts = {"where": where(run), "repair": repair(rows, threshold), "k_star": k_star(run, threshold),
+             "composition": composition(run), "validity": validity(run)}
+    return {"kvprobe_summary": SCHEMA_VERSION, "model": run.label, "folder": str(run.folder),
+            "fingerprint": run.manifest.get("model") if run.manifest else None, "threshold": threshold,
+            **facts, "strategies": rows,
+            "headline": [f["sentence"] for f in facts.values() if f is not None]}
+
+
+def write_summary(folder: Path | str, threshold: float | None = None) -> Path:
+    """Write ``summary.json`` into the results ``folder`` (atomically); returns its path."""
+    folder = Path(folder)
+    return atomic_write_json(summarize_run(load_run(folder), threshold), folder / SUMMARY)
+
+
+def schema() -> dict:
+    return json.loads(SCHEMA.read_text(encoding="utf-8"))

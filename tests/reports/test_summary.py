@@ -1,0 +1,132 @@
+"""The answer first: summary.json (validated against its schema), the report's headline section, the
+rule that picks the repair, and ``kvprobe compare`` over three folders in all its output forms."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+
+import jsonschema
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from kvprobe.cli.app import app
+from kvprobe.reports.compare import to_csv
+from kvprobe.reports.folder import load_run
+from kvprobe.reports.html import render_html
+from kvprobe.reports.summary import SUMMARY, repair, schema, summarize_run, write_summary
+from kvprobe.results import COMPOSE, EDITS
+from tests.cli.test_errors import kvprobe, one_line_error
+
+runner = CliRunner()
+
+
+def _stat(value, lo, hi, n):
+    return {"value": value, "lo": lo, "hi": hi, "n": n}
+
+
+def _row(name, value, lo, n, frac, ms=10.0):
+    return {"strategy": name, "n": n, "errors": 0, "agreement": _stat(value, lo, 1.0, n), "recovery": None,
+            "control_invariance": _stat(1.0, 0.7, 1.0, 10), "frac_recomputed": frac, "repair_ms": ms,
+            "to_decision_ms": ms, "notes": []}
+
+
+def test_summary_json_validates_and_headline_leads(tiny_results, tmp_path):
+    folder = tmp_path / "run"
+    import shutil
+
+    shutil.copytree(tiny_results, folder)
+    path = write_summary(folder)
+    assert path == folder / SUMMARY
+    data = json.loads(path.read_text())
+    jsonschema.validate(data, schema())
+    assert data["kvprobe_summary"] == 1 and data["headline"] and data["validity"]["decision"] == 3
+    assert [r["strategy"] for r in data["strategies"]] == ["stale", "field_only", "selective:4:random", "erratum",
+                                                           "oracle"]
+    html = render_html([folder])
+    ids = re.findall(r'<section id="([a-z_]+)" class="section"', html)
+    assert ids[0] == "headline" and ids.index("headline") < ids.index("notes")
+    head = html[html.index('<section id="headline"'):html.index("</section>", html.index('<section id="headline"'))]
+    for fact in ("where", "repair", "k_star", "validity"):
+        assert f'data-fact="{fact}"' in head
+    assert "wrong under old value wrong under new value" not in html
+    # section numbers follow what is shown: 1, 2, 3, ... with no gap
+    numbers = [int(n) for n in re.findall(r"<h2>(\d+)\. ", html)]
+    assert numbers == list(range(1, len(numbers) + 1))
+
+
+def test_the_schema_refuses_what_it_does_not_describe(tiny_results):
+    data = summarize_run(load_run(tiny_results))
+    jsonschema.validate(data, schema())
+    for broken in ({**data, "kvprobe_summary": 2}, {**data, "extra": 1},
+                   {**data, "repair": {**data["repair"], "agreement": {"value": 1.0}}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(broken, schema())
+
+
+def test_repair_is_the_cheapest_whose_lower_bound_reaches_the_threshold():
+    rows = [_row("stale", 1.0, 0.96, 90, 0.0), _row("field_only", 0.9, 0.82, 90, 0.01),
+            _row("erratum_turn", 1.0, 0.96, 90, 0.30, ms=5), _row("cacheblend:0.15", 1.0, 0.96, 90, 0.20, ms=50),
+            _row("oracle", 1.0, 0.96, 90, 1.0)]
+    r = repair(rows, 0.95)
+    assert r["recommended"] == "cacheblend:0.15" and r["qualifying"] == ["cacheblend:0.15", "erratum_turn"]
+    assert r["sentence"].startswith("Repair with cacheblend:0.15: agreement 1.00 [0.96, 1.00] n=90, 20.0% of tokens")
+    # 15 of 15 reaches only 0.80: nothing is established, and the closest is named, not recommended
+    small = [_row("field_only", 1.0, 0.7961, 15, 0.01), _row("erratum", 0.93, 0.70, 15, 0.3)]
+    r = repair(small, 0.95)
+    assert r["recommended"] is None and r["closest"] == "field_only" and r["cases_to_establish"] == 73
+    assert "No repair is established at 0.95" in r["sentence"] and "at least 73 valid cases" in r["sentence"]
+    assert repair(small, 0.75)["recommended"] == "field_only"
+
+
+def test_editor_notes_and_composition_reach_the_summary(variant):
+    folder = variant("noted")
+    edits = pd.read_parquet(folder / EDITS)
+    edits["note"] = ""
+    edits.loc[edits.strategy == "erratum", "note"] = "field recomputed: False"
+    edits.to_parquet(folder / EDITS)
+    pd.DataFrame([{"query_id": q, "rerotate": rot, "seam": s, "agree": bool(q % 5 or not rot), "top1_agree": True,
+                   "cosine": 0.99, "kl": 0.01, "wall_s": 0.1, "context_tokens": 100}
+                  for q in range(20) for rot in (True, False) for s in (0, 4)]).to_parquet(folder / COMPOSE)
+    data = summarize_run(load_run(folder))
+    jsonschema.validate(data, schema())
+    erratum = next(r for r in data["strategies"] if r["strategy"] == "erratum")
+    assert erratum["notes"] == [{"note": "field recomputed: False", "cases": 3}]
+    gate = data["composition"]
+    assert gate["seam"] == 4 and gate["agreement"]["value"] == 0.8 and gate["passed"] is False
+    assert gate["sentence"].startswith("Composition gate fails")
+
+
+def test_compare_three_folders_in_every_form(variant, tmp_path):
+    folders = [variant(f"m{i}") for i in range(3)]
+    out_csv, out_json, out_html = tmp_path / "c.csv", tmp_path / "c.json", tmp_path / "c.html"
+    res = runner.invoke(app, ["compare", *map(str, folders), "--csv", str(out_csv), "--json", str(out_json),
+                              "--html", str(out_html)])
+    assert res.exit_code == 0, res.output
+    assert "the answer, per folder" in res.output and "share recomputed" in res.output
+    data = json.loads(out_json.read_text())
+    assert data["kvprobe_compare"] == 1 and len(data["runs"]) == 3
+    for run in data["runs"]:
+        jsonschema.validate(run, schema())
+    rows = list(csv.DictReader(io.StringIO(out_csv.read_text())))
+    assert len(rows) == 3 * 5 and {r["strategy"] for r in rows} >= {"stale", "oracle"}
+    assert out_csv.read_text() == to_csv(data["runs"])
+    html = out_html.read_text()
+    assert html.count("<tr data-model=") == 3 and html.count('<tr data-strategy="') == 5
+    assert "<script" not in html and "http://" not in html.replace("http://www.w3.org/", "")
+
+
+def test_compare_refusals_are_one_line(variant, tmp_path):
+    folder = variant("one")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "sweep_manifest.json").write_text("{}")
+    one_line_error(kvprobe("compare", str(empty)), "has no manifest.json", "`kvprobe run`")
+    one_line_error(kvprobe("compare", str(sweep)), "is a `kvprobe sweep` folder", "kvprobe report")
+    one_line_error(kvprobe("compare", str(folder), "--csv", str(tmp_path / "x"), "--json", str(tmp_path / "x")),
+                   "name the same file")
