@@ -1,222 +1,198 @@
-"""Open a report of a tiny-model run in headless Chromium (Chrome DevTools Protocol) and check the DOM:
-every section is there, no request leaves the file, no console error; save a screenshot.
+"""Open a report of a tiny-model run in the system Chromium, driven by Playwright, and check what a
+reader sees:
 
-Skipped only where no Chromium can be found (Debian: ``apt-get install -y chromium``).
+- the first section is the headline, then every section the tiny run has, each with a heading and a
+  height, and every figure decoded;
+- no request leaves the file (every URL is file:, data: or about:, and the only file: URL is the
+  report), with a positive control that the recorder does see a request that leaves;
+- no console error and no uncaught exception;
+- full-page screenshots at 1400 and 600 px wide, saved as reports/report-<width>.png (gitignored),
+  and at 600 px nothing sticks out sideways beyond the page;
+- with six models side by side, a table wider than its column scrolls inside the column.
+
+The browser is Debian's chromium, installed by the apt step of the README's test command (.ci/run);
+no test installs anything, and where no Chromium is found every browser test fails (it does not skip).
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import shutil
-import subprocess
-import time
-import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from playwright.sync_api import sync_playwright
 
 from kvprobe.reports.html import render_report
+from tests.reports.test_render import ALL as SECTIONS  # the sections a tiny run has
 
 pytestmark = pytest.mark.timeout(600)
 
 REPO = Path(__file__).resolve().parents[2]
 SHOTS = REPO / "reports"  # outputs only; *.png is gitignored
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
-from tests.reports.test_render import ALL as SECTIONS  # noqa: E402  (the sections a tiny run has)
+APT_STEP = "apt-get install -y -qq chromium"  # the install step of .ci/run (a test below keeps it so)
 LOCAL_SCHEMES = ("file:", "data:", "about:")
+PROBE = "http://127.0.0.1:9/kvprobe-probe"  # port 9 (discard): refused at once, never reaches anything
+WIDE, NARROW = 1400, 600
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+# the outermost elements that stick out to the right of the viewport (those inside a scrolling or
+# clipping box do not widen the page), for the message of a failed overflow check
+STICKING_OUT = """() => [...document.body.querySelectorAll('*')].filter(e => {
+    if (e.getBoundingClientRect().right <= innerWidth + 1) return false;
+    for (let a = e.parentElement; a && a !== document.body; a = a.parentElement)
+        if (getComputedStyle(a).overflowX !== 'visible') return false;
+    const p = e.parentElement;
+    return !p || p === document.body || p.getBoundingClientRect().right <= innerWidth + 1;
+}).slice(0, 8).map(e => `${e.tagName.toLowerCase()}${e.id ? '#' + e.id : ''}`
+    + `${typeof e.className === 'string' && e.className ? '.' + e.className.trim().split(/\\s+/).join('.') : ''}`
+    + ` in #${e.closest('section')?.id ?? '-'}: right edge ${Math.round(e.getBoundingClientRect().right)} px`)"""
 
 
 def find_browser() -> str | None:
     return next((p for p in map(shutil.which, BROWSERS) if p), None)
 
 
-class CDP:
-    """A minimal Chrome DevTools Protocol client over one page's websocket."""
+@dataclass
+class Loaded:
+    """A report open in a page, with every request, console error and uncaught exception recorded."""
 
-    def __init__(self, url: str):
-        import websocket  # websocket-client, in the test extra
-
-        self.ws = websocket.create_connection(url, timeout=60, suppress_origin=True)
-        self.events: list[dict] = []
-        self.n = 0
-
-    def send(self, method: str, **params) -> dict:
-        self.n += 1
-        self.ws.send(json.dumps({"id": self.n, "method": method, "params": params}))
-        while True:
-            msg = json.loads(self.ws.recv())
-            if msg.get("id") == self.n:
-                if "error" in msg:
-                    raise RuntimeError(f"{method}: {msg['error']}")
-                return msg.get("result", {})
-            self.events.append(msg)
-
-    def wait_for(self, method: str, timeout: float = 60) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            hit = next((e for e in self.events if e.get("method") == method), None)
-            if hit:
-                return hit
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no {method} within {timeout} s")
-            self.ws.settimeout(max(0.1, deadline - time.monotonic()))
-            self.events.append(json.loads(self.ws.recv()))
-
-    def drain(self, seconds: float) -> None:
-        """Collect events for a while (late requests or errors)."""
-        import websocket
-
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            self.ws.settimeout(max(0.05, deadline - time.monotonic()))
-            try:
-                self.events.append(json.loads(self.ws.recv()))
-            except websocket.WebSocketTimeoutException:
-                break
-
-    def js(self, expression: str):
-        res = self.send("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
-        if "exceptionDetails" in res:
-            raise RuntimeError(res["exceptionDetails"])
-        return res["result"].get("value")
-
-    def of(self, method: str) -> list[dict]:
-        return [e["params"] for e in self.events if e.get("method") == method]
+    page: object  # playwright.sync_api.Page
+    url: str
+    requests: list[str] = field(default_factory=list)
+    console_errors: list[str] = field(default_factory=list)
+    page_errors: list[str] = field(default_factory=list)
 
 
-def install_chromium() -> str | None:
-    """Install Debian's chromium when we are root with apt (CI's fresh machines); None otherwise."""
-    import os
+def load(browser, report: Path, width: int) -> Loaded:
+    page = browser.new_page(viewport={"width": width, "height": 1800}, device_scale_factor=1)
+    page.set_default_timeout(60_000)
+    seen = Loaded(page, report.as_uri())
 
-    if shutil.which("apt-get") is None or os.geteuid() != 0:
-        return None
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium"]):
-        if subprocess.run(cmd, env=env, capture_output=True, timeout=900).returncode != 0:
-            return None
-    return find_browser()
+    def console(msg):
+        if msg.type == "error":
+            seen.console_errors.append(f"{msg.text} (at {msg.location.get('url', '?')})")
+
+    page.on("request", lambda r: seen.requests.append(r.url))
+    page.on("console", console)
+    page.on("pageerror", lambda e: seen.page_errors.append(str(e)))
+    page.goto(seen.url, wait_until="load")
+    page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+    return seen
 
 
 @pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    exe = find_browser() or install_chromium()
+def browser():
+    exe = find_browser()
     if exe is None:
-        pytest.skip("no Chromium found and Debian's chromium package could not be installed here")
-    profile = tmp_path_factory.mktemp("chromium-profile")
-    proc = subprocess.Popen(
-        [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run", "--no-default-browser-check",
-         "--disable-extensions", f"--user-data-dir={profile}", "--remote-debugging-port=0",
-         "--remote-allow-origins=*", "--window-size=1400,1800", "about:blank"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        port_file = profile / "DevToolsActivePort"
-        deadline = time.monotonic() + 60
-        while not (port_file.exists() and port_file.read_text().strip()):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"Chromium did not start (exit {proc.poll()})")
-            time.sleep(0.1)
-        port = int(port_file.read_text().split()[0])
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=30) as r:  # the local debugger
-            page = next(t for t in json.load(r) if t["type"] == "page")
-        yield CDP(page["webSocketDebuggerUrl"])
-    finally:
-        proc.terminate()
+        pytest.fail(f"no Chromium found ({', '.join(BROWSERS)} on PATH): install Debian's chromium with the "
+                    f"apt step of .ci/run ({APT_STEP})", pytrace=False)
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=exe, args=["--no-sandbox"])
         try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            yield b
+        finally:
+            b.close()
 
 
 @pytest.fixture(scope="module")
-def opened(browser, tiny_results, tmp_path_factory):
-    """The tiny run's report, loaded in the page with network, console and log events recorded."""
-    out = render_report([tiny_results], tmp_path_factory.mktemp("report") / "report.html")
-    cdp = browser
-    for domain in ("Page", "Network", "Runtime", "Log"):
-        cdp.send(f"{domain}.enable")
-    cdp.send("Emulation.setDeviceMetricsOverride", width=1400, height=1800, deviceScaleFactor=1, mobile=False)
-    cdp.send("Page.navigate", url=out.as_uri())
-    cdp.wait_for("Page.loadEventFired")
-    cdp.js("new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
-    cdp.drain(1.0)
-    return cdp, out
+def report(tiny_results, tmp_path_factory) -> Path:
+    return render_report([tiny_results], tmp_path_factory.mktemp("report") / "report.html")
+
+
+@pytest.fixture(scope="module")
+def opened(browser, report):
+    """The tiny run's report at 1400 px wide."""
+    seen = load(browser, report, WIDE)
+    yield seen
+    seen.page.close()
+
+
+def section_ids(page) -> list[str]:
+    return page.evaluate("() => [...document.querySelectorAll('section.section')].map(s => s.id)")
+
+
+def test_headline_comes_first(opened):
+    ids = section_ids(opened.page)
+    assert ids and ids[0] == "headline", ids
 
 
 def test_every_section_in_the_dom(opened):
-    cdp, _ = opened
-    ids = cdp.js("[...document.querySelectorAll('section.section')].map(s => s.id)")
-    assert ids == SECTIONS
-    for sid in SECTIONS:
-        info = cdp.js(f"(() => {{ const s = document.getElementById('{sid}'); return {{"
-                      f"h2: s.querySelector('h2').textContent, cols: s.querySelectorAll('.col').length,"
-                      f"height: s.getBoundingClientRect().height}}; }})()")
-        assert info["h2"] and info["cols"] == 1 and info["height"] > 50, (sid, info)
-    notes = cdp.js("(() => ({tokens: document.querySelectorAll('#notes .tok').length,"
-                   "field: document.querySelectorAll('#notes .tok.field').length,"
-                   "decision: document.querySelectorAll('#notes .tok.decision').length,"
-                   "coloured: [...document.querySelectorAll('#notes .tok')].filter(t => t.style.background &&"
-                   " t.style.background !== 'transparent').length}))()")
+    page = opened.page
+    assert section_ids(page) == SECTIONS
+    boxes = page.evaluate("() => [...document.querySelectorAll('section.section')].map(s => ({id: s.id,"
+                          " h2: s.querySelector('h2')?.textContent.trim() ?? '',"
+                          " height: s.getBoundingClientRect().height}))")
+    assert [b for b in boxes if not b["h2"] or b["height"] <= 0] == []
+    notes = page.evaluate("() => ({tokens: document.querySelectorAll('#notes .tok').length,"
+                          " field: document.querySelectorAll('#notes .tok.field').length,"
+                          " decision: document.querySelectorAll('#notes .tok.decision').length,"
+                          " coloured: [...document.querySelectorAll('#notes .tok')].filter(t => t.style.background"
+                          " && t.style.background !== 'transparent').length})")
     assert notes["tokens"] > 50 and notes["field"] >= 1 and notes["decision"] >= 1 and notes["coloured"] > 10, notes
-    # every figure decoded (an SVG that failed to parse has no natural size)
-    imgs = cdp.js("[...document.images].map(i => [i.complete, i.naturalWidth, i.alt])")
-    assert len(imgs) >= 6 and all(ok and w > 0 for ok, w, _ in imgs), imgs
+
+
+def test_every_figure_decoded(opened):
+    # an SVG that failed to parse has no natural size
+    imgs = opened.page.evaluate("() => [...document.images].map(i => [i.complete, i.naturalWidth, i.alt])")
+    assert len(imgs) >= 6
+    assert [i for i in imgs if not (i[0] and i[1] > 0)] == []
 
 
 def test_no_console_errors(opened):
-    cdp, _ = opened
-    # runs before test_no_request_leaves_the_file's deliberate failed fetch (filtered anyway)
-    errors = [p for p in cdp.of("Runtime.consoleAPICalled") if p["type"] in ("error", "assert")]
-    errors += cdp.of("Runtime.exceptionThrown")
-    errors += [p for p in cdp.of("Log.entryAdded") if p["entry"]["level"] == "error"
-               and "kvprobe-probe" not in p["entry"].get("url", "") + p["entry"].get("text", "")]
+    errors = [e for e in opened.console_errors if "kvprobe-probe" not in e]  # the probe fetch below fails
     assert errors == []
+    assert opened.page_errors == []
 
 
 def test_no_request_leaves_the_file(opened):
-    cdp, out = opened
-    urls = [p["request"]["url"] for p in cdp.of("Network.requestWillBeSent")]
-    assert urls and urls[0] == out.as_uri()
-    outside = [u for u in urls if not u.startswith(LOCAL_SCHEMES)]
-    assert outside == []
-    assert [u for u in urls if u.startswith("file:")] == [out.as_uri()]
+    urls = list(opened.requests)
+    assert urls and urls[0] == opened.url
+    assert [u for u in urls if not u.startswith(LOCAL_SCHEMES)] == []
+    assert [u for u in urls if u.startswith("file:")] == [opened.url]
     # the recorder does see a request that leaves (so the empty list above means something)
-    cdp.js("fetch('http://127.0.0.1:9/kvprobe-probe').catch(() => 0)")
-    cdp.drain(1.0)
-    assert "http://127.0.0.1:9/kvprobe-probe" in [p["request"]["url"] for p in cdp.of("Network.requestWillBeSent")]
+    opened.page.evaluate(f"() => fetch('{PROBE}').catch(() => 0)")
+    for _ in range(20):
+        if PROBE in opened.requests:
+            break
+        opened.page.wait_for_timeout(100)
+    assert PROBE in opened.requests
 
 
-def test_screenshot(opened, tmp_path):
-    cdp, _ = opened
-    box = cdp.js("(() => { const r = document.getElementById('notes').getBoundingClientRect();"
-                 " return [r.x, r.y + window.scrollY, r.width, r.height]; })()")
-    height = min(2400, box[1] + box[3])
-    shot = cdp.send("Page.captureScreenshot", format="png", captureBeyondViewport=True,
-                    clip={"x": 0, "y": 0, "width": 1400, "height": height, "scale": 1})
-    png = base64.b64decode(shot["data"])
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    path = tmp_path / "report-notes.png"
-    path.write_bytes(png)
-    SHOTS.mkdir(exist_ok=True)
-    shutil.copy(path, SHOTS / "report-notes.png")
+@pytest.mark.parametrize("width", [WIDE, NARROW])
+def test_full_page_screenshot(browser, report, width):
+    seen = load(browser, report, width)
+    try:
+        SHOTS.mkdir(exist_ok=True)
+        path = SHOTS / f"report-{width}.png"
+        png = seen.page.screenshot(path=path, full_page=True, type="png")
+        scroll_width, inner_width = seen.page.evaluate(
+            "() => [document.documentElement.scrollWidth, window.innerWidth]")
+        sticking_out = seen.page.evaluate(STICKING_OUT)
+    finally:
+        seen.page.close()
+    assert png[:8] == PNG_MAGIC and len(png) > 10_000
+    assert path.read_bytes() == png
+    if width == NARROW:  # a phone-sized window: the page must not scroll sideways
+        assert scroll_width <= inner_width + 1, (scroll_width, inner_width, sticking_out)
 
 
 def test_wide_tables_stay_in_their_column(browser, variant):
     """With many models side by side a table can be wider than its column: it must scroll inside
     the column, not spill over the next model's figures."""
     folders = [variant(f"m{i}") for i in range(6)]
-    out = render_report(folders, folders[0].parent / "wide.html")
-    cdp = browser
-    cdp.send("Page.enable")
-    cdp.send("Emulation.setDeviceMetricsOverride", width=1400, height=1800, deviceScaleFactor=1, mobile=False)
-    cdp.events.clear()  # wait for this page's load, not the earlier report's
-    cdp.send("Page.navigate", url=out.as_uri())
-    cdp.wait_for("Page.loadEventFired")
-    assert cdp.js("location.href") == out.as_uri()
-    cols = cdp.js("[...document.querySelectorAll('.col')].map(c => [c.closest('section').id, c.scrollWidth,"
-                  " c.clientWidth, getComputedStyle(c).overflowX])")
+    seen = load(browser, render_report(folders, folders[0].parent / "wide.html"), WIDE)
+    try:
+        cols = seen.page.evaluate("() => [...document.querySelectorAll('.col')].map(c => [c.closest('section').id,"
+                                  " c.scrollWidth, c.clientWidth, getComputedStyle(c).overflowX])")
+    finally:
+        seen.page.close()
     assert len(cols) >= 6 * len(SECTIONS) - 6
     wide = [c for c in cols if c[1] > c[2] + 1]
     assert wide, "no table is wider than its column at this size, so the check would not mean anything"
-    assert all(c[3] in ("auto", "scroll", "hidden") for c in wide), [c for c in wide if c[3] == "visible"]
+    assert [c for c in wide if c[3] not in ("auto", "scroll", "hidden")] == []
+
+
+def test_the_missing_browser_message_names_the_ci_step():
+    assert APT_STEP in (REPO / ".ci" / "run").read_text()
