@@ -32,3 +32,18 @@ def test_the_page_shows_it_after_locality_and_only_with_the_table(tiny_results, 
     without = variant("no-attention")
     (without / ATTENTION).unlink()
     assert "attention" not in re.findall(r'data-section="([a-z_]+)"', render_html([without]))
+
+
+def test_its_table_has_a_section_of_its_own_with_title_intro_and_key_counts(tiny_results):
+    from kvprobe.reports.sections import SECTIONS
+
+    html = render_html([tiny_results])
+    body = html.split('<section id="attention"', 1)[1].split("</section>", 1)[0]
+    assert re.search(r"<h2>\d+\. Attention shares</h2>", body)
+    assert f'<p class="intro">{SECTIONS["attention"].intro[:40]}' in body.replace("&#39;", "'")
+    assert "<th>region</th><th>attention share</th><th>keys per case</th>" in body
+    d = build_attention(load_run(tiny_results))
+    keys = re.findall(r'<td class="num">([^<]*)</td></tr>', body.split("keys per case", 1)[1])
+    assert len(keys) == len(d["rows"]) and all(k != "n/a" for k in keys)  # r.keys was the dict's method
+    assert [float(k) for k in keys] == [round(r["n_keys"], 1) for r in d["rows"]]
+    assert keys[0] == "1.0"  # the sink is one key

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pandas as pd
 from markupsafe import Markup
+from matplotlib.ticker import MaxNLocator
 
 from kvprobe.probes.attention import ATTN_REGIONS
-from kvprobe.reports.figures import PALETTE, new_figure, to_img
+from kvprobe.reports.figures import DASHES, MARKERS, PALETTE, line, new_figure, styled, to_img
 from kvprobe.reports.folder import Run
 from kvprobe.reports.sections.shared import decision_rows
 from kvprobe.reports.sections.registry import Section, register
@@ -24,23 +25,27 @@ def build_attention(run: Run) -> dict | None:
     if overall.empty:
         return None
     keys = overall.groupby("region")["n_keys"].mean()
+    # ("n_keys", not "keys": the template reads r.keys as the dict's method)
     rows = [{"region": r, "share": Stat.of(overall[overall["region"] == r]["value"].tolist()),
-             "keys": float(keys.get(r, float("nan")))} for r in ATTN_REGIONS if (overall["region"] == r).any()]
+             "n_keys": float(keys.get(r, float("nan")))} for r in ATTN_REGIONS if (overall["region"] == r).any()]
     by_layer = per_layer.groupby(["region", "layer"])["value"].mean().reset_index()
     return {"rows": rows, "n": int(overall["case_id"].nunique()), "fig": _layer_fig(by_layer)}
 
 
+@styled
 def _layer_fig(by_layer: pd.DataFrame) -> Markup:
-    fig, ax = new_figure(4.6, 2.6)
-    for colour, region in zip(PALETTE, ATTN_REGIONS):
+    fig, ax = new_figure(5.6, 2.8)
+    for j, region in enumerate(ATTN_REGIONS):
         g = by_layer[by_layer["region"] == region].sort_values("layer")
         if len(g):
-            ax.plot(g["layer"].astype(int), g["value"], marker="o", ms=3, color=colour, label=region)
+            line(ax, g["layer"].astype(int), g["value"], colour=PALETTE[j], marker=MARKERS[j], dashes=DASHES[j],
+                 label=region, ms=3.5)
     ax.set_xlabel("layer")
-    ax.set_ylabel("attention share (mean over heads, cases)")
-    ax.set_ylim(0, 1)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7, frameon=False)
-    return to_img(fig, "the decision token's attention share by region and layer")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("attention share\n(mean over heads, cases)")
+    ax.set_ylim(-0.02, 1.02)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside right upper", title="region")
+    return to_img(fig, "the decision token's attention share by region and layer (mean over heads and cases)")
 
 
 SECTION = register(Section(

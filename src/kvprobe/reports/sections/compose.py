@@ -3,10 +3,10 @@ re-rotation, and the time-to-first-token speedup where a benchmark result is pre
 
 from __future__ import annotations
 
-import numpy as np
 from markupsafe import Markup
 
-from kvprobe.reports.figures import PALETTE, errbar, finite, new_figure, to_img
+from kvprobe.reports.figures import (DASHES, MARKERS, PALETTE, finite, legend_below, line, new_figure, share, styled,
+                                     to_img)
 from kvprobe.reports.folder import TTFT, Run
 from kvprobe.reports.sections.registry import Section, register
 from kvprobe.reports.stats import Stat, mean_of
@@ -29,7 +29,7 @@ def build_compose(run: Run) -> dict | None:
             unit = "query_id" if "query_id" in c else None
             out["n_queries"] = int(c[unit].nunique()) if unit else len(c)
             for (rot, s), g in c.groupby(["rerotate", "seam"], sort=True):
-                out["rows"].append({"rerotate": bool(rot), "seam": int(s), "agree": Stat.of(g["agree"].astype(float)),
+                out["rows"].append({"rerotate": bool(rot), "seam": int(s), "agree": share(g["agree"].astype(float)),
                                     "cosine": Stat.of(g["cosine"]) if "cosine" in g else None,
                                     "kl": Stat.of(g["kl"]) if "kl" in g else None})
             out["rows"].sort(key=lambda r: (not r["rerotate"], r["seam"]))
@@ -48,41 +48,42 @@ def build_compose(run: Run) -> dict | None:
     return out
 
 
+@styled
 def _compose_fig(rows: list[dict]) -> Markup:
-    fig, axes = new_figure(6.4, 2.6, ncols=2)
+    fig, axes = new_figure(6.8, 2.9, ncols=2)
     for ax, metric in zip(axes, ("agree", "cosine")):
         for j, rot in enumerate((True, False)):
             pts = [r for r in rows if r["rerotate"] == rot and r[metric] is not None and finite(r[metric].mean)]
-            if not pts:
-                continue
-            x = [r["seam"] for r in pts]
-            ax.errorbar(x, [r[metric].mean for r in pts],
-                        yerr=np.array([[e[0][0], e[1][0]] for e in
-                                       (errbar(r[metric].lo, r[metric].mean, r[metric].hi) for r in pts)]).T,
-                        marker="o", ms=3, capsize=2, lw=0.9, color=PALETTE[j],
-                        label="re-rotated" if rot else "not re-rotated")
+            if pts:
+                line(ax, [r["seam"] for r in pts], [r[metric].mean for r in pts], colour=PALETTE[j],
+                     marker=MARKERS[j], dashes=DASHES[j], dodge=2.0 * (j - 0.5), stats=[r[metric] for r in pts],
+                     label="re-rotated" if rot else "not re-rotated")
         ax.set_xscale("symlog", base=2, linthresh=1)
+        seams = sorted({r["seam"] for r in rows})
+        ax.set_xticks(seams, [str(s) for s in seams])
+        ax.minorticks_off()
         ax.set_xlabel("seam tokens recomputed (s)")
         ax.set_ylabel({"agree": "decision agreement", "cosine": "logit cosine"}[metric])
         ax.set_title(f"{'agreement' if metric == 'agree' else 'cosine'} against full recompute")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(loc="lower right")
-    return to_img(fig, "composition: agreement and cosine against seam size")
+    legend_below(fig, ncols=2)
+    return to_img(fig, "composition: agreement and logit cosine against seam size, re-rotated or not, with 95% CI "
+                       "bands")
 
 
+@styled
 def _ttft_fig(rows: list[dict]) -> Markup:
-    fig, ax = new_figure(4.4, 2.6)
+    fig, ax = new_figure(4.6, 2.8)
     pts = [r for r in rows if finite(r["speedup"].mean)]
-    ax.errorbar([r["block_tokens"] for r in pts], [r["speedup"].mean for r in pts],
-                yerr=np.array([[e[0][0], e[1][0]] for e in
-                               (errbar(r["speedup"].lo, r["speedup"].mean, r["speedup"].hi) for r in pts)]).T
-                .reshape(2, -1), marker="o", ms=3, capsize=2, color=PALETTE[0])
+    line(ax, [r["block_tokens"] for r in pts], [r["speedup"].mean for r in pts], colour=PALETTE[0],
+         stats=[r["speedup"] for r in pts])
     ax.axhline(1.0, color="grey", lw=0.6, ls=":")
     ax.set_xscale("log", base=2)
+    ax.set_xticks([r["block_tokens"] for r in pts], [str(r["block_tokens"]) for r in pts])
+    ax.minorticks_off()
     ax.set_xlabel("skill block length (tokens)")
     ax.set_ylabel("TTFT speedup (full / composed)")
-    ax.set_title("time to first token")
-    return to_img(fig, "TTFT speedup against block length")
+    ax.set_title("time to first token (95% CI band)")
+    return to_img(fig, "TTFT speedup against block length, with its 95% CI band")
 
 
 SECTION = register(Section(

@@ -3,11 +3,18 @@ the recompute cost against agreement, and the held-out selective(K) sweep."""
 
 from __future__ import annotations
 
+import re
+
+import matplotlib
+import numpy as np
 import pandas as pd
+import seaborn as sns
 from markupsafe import Markup
+from matplotlib.figure import Figure
 
 from kvprobe.metrics import stay_valid, summarize_edits, valid_case_ids
-from kvprobe.reports.figures import PALETTE, errbar, finite, new_figure, to_img
+from kvprobe.reports.figures import (DASHES, MARKERS, PALETTE, errbar, finite, legend_below, line, new_figure,
+                                     place_labels, styled, to_img)
 from kvprobe.reports.folder import Run
 from kvprobe.reports.sections.shared import decision_rows
 from kvprobe.reports.sections.registry import Section, register
@@ -18,6 +25,35 @@ from kvprobe.results import EDITS
 def _strategy_order(run: Run, names) -> list[str]:
     cfg = list(run.config.get("strategies") or [])
     return [s for s in cfg if s in set(names)] + sorted(set(names) - set(cfg))
+
+
+# what a strategy that picks its positions (cacheblend) records in the edits table's ``note``
+FIELD_NOTE = re.compile(r"field recomputed: (True|False)")
+N_NOTES = 2  # distinct free-text notes shown per strategy row
+
+
+def strategy_notes(g: pd.DataFrame) -> list[str]:
+    """The editor's notes on one strategy's rows (``note``, ``chose``), in words for its table row: how
+    often it missed the field, which repair it chose how often, and its most frequent other notes."""
+    n = len(g)
+    notes = g["note"].dropna().astype(str).str.strip() if "note" in g else pd.Series(dtype=str)
+    notes = notes[notes != ""]
+    out = []
+    missed = int((notes == "field recomputed: False").sum())
+    if missed:
+        out.append(f"missed the field on {missed} of {n} cases")
+    chose = g["chose"].dropna().astype(str) if "chose" in g else pd.Series(dtype=str)
+    chose = chose[chose != ""]
+    if len(chose):
+        counts = sorted(chose.value_counts().items(), key=lambda t: (-t[1], t[0]))
+        out.append("chose " + ", ".join(f"{c} on {k} of {n} cases" for c, k in counts))
+        return out  # its notes give each case's reason for the choice: one line per case, not a summary
+    other = notes[~notes.str.fullmatch(FIELD_NOTE)]
+    counts = sorted(other.value_counts().items(), key=lambda t: (-t[1], t[0]))
+    out += [f"{text} ({k} of {n} cases)" for text, k in counts[:N_NOTES]]
+    if len(counts) > N_NOTES:
+        out.append(f"{len(counts) - N_NOTES} other notes")
+    return out
 
 
 def build_edits(run: Run) -> dict | None:
@@ -47,6 +83,7 @@ def build_edits(run: Run) -> dict | None:
         summ = summ.assign(o=summ["strategy"].map({s: i for i, s in enumerate(order)})).sort_values(["o", "cot"])
         errors = main.groupby(["strategy", "cot"])["error"].apply(lambda s: int(s.notna().sum())) \
             if "error" in main else {}
+        notes = {key: strategy_notes(g) for key, g in main.groupby(["strategy", "cot"], sort=False)}
         for r in summ.itertuples():
             rows.append({"strategy": r.strategy, "cot": int(r.cot), "n": int(r.n),
                          "agreement": Stat(r.agreement, r.agreement_lo, r.agreement_hi, int(r.n)),
@@ -54,20 +91,25 @@ def build_edits(run: Run) -> dict | None:
                          "excluded": int(r.n_excluded_small_flip), "flip": r.median_oracle_flip,
                          "frac": r.frac_recomputed, "cosine": r.cosine, "kl": r.kl, "ms": r.wall_ms,
                          "decision_ms": r.to_decision_ms,
-                         "errors": int(errors.get((r.strategy, r.cot), 0)) if len(errors) else 0})
+                         "errors": int(errors.get((r.strategy, r.cot), 0)) if len(errors) else 0,
+                         "notes": notes.get((r.strategy, r.cot), [])})
     cots = sorted(int(c) for c in main["cot"].unique()) if "cot" in main else [0]
     sweep = valid[~main_mask.reindex(valid.index, fill_value=False) & valid["strategy"].str.startswith("selective:")]
     sweep = sweep[sweep["cot"] == 0] if "cot" in sweep else sweep
     sweep_rows = summarize_edits(sweep, by=("ranking", "k")).sort_values(["ranking", "k"]) if len(sweep) else None
+    missed = {r["strategy"] for r in rows if any(n.startswith("missed the field") for n in r["notes"])}
     figs = []
     if rows:
-        figs.append(_edits_bars(rows, cots))
-        figs.append(_frontier(rows, sweep_rows))
+        figs.append(_edits_bars(rows, cots, missed))
+        figs.append(_frontier(rows, sweep_rows, missed))
     cot_table = None
     if len(cots) > 1:
         by = {(r["strategy"], r["cot"]): r["agreement"] for r in rows}
         cot_table = [{"strategy": s, "cells": [by.get((s, c)) for c in cots]} for s in order]
+    missed_notes = [f"{s}: " + "; ".join(n for n in next(r["notes"] for r in rows if r["strategy"] == s)
+                                          if n.startswith("missed")) for s in sorted(missed)]
     return {"rows": rows, "figs": figs, "cots": cots, "cot_table": cot_table, "warning": warning,
+            "missed": missed_notes,
             "still_valid": stay_valid(main),
             "n_cases": int(main["case_id"].nunique()) if len(main) else 0,
             "sweep": [] if sweep_rows is None else [
@@ -76,67 +118,115 @@ def build_edits(run: Run) -> dict | None:
                 for r in sweep_rows.itertuples()]}
 
 
-def _edits_bars(rows: list[dict], cots: list[int]) -> Markup:
+@styled
+def _edits_bars(rows: list[dict], cots: list[int], missed: set[str]) -> Markup:
     strategies = list(dict.fromkeys(r["strategy"] for r in rows))
-    h = 0.8 / max(1, len(cots))
-    fig, axes = new_figure(6.0, 0.9 + 0.28 * len(strategies) * max(1, len(cots)) ** 0.5, ncols=2, sharey=True)
+    names = {s: s + (" \u2020" if s in missed else "") for s in strategies}
+    colours = {str(c): PALETTE[j % len(PALETTE)] for j, c in enumerate(cots)}
+    fig, axes = new_figure(6.4, 1.0 + 0.3 * len(strategies) * max(1, len(cots)) ** 0.5, ncols=2, sharey=True)
     for ax, metric in zip(axes, ("agreement", "recovery")):
-        any_value, labelled = False, set()
-        for j, cot in enumerate(cots):
-            for i, s in enumerate(strategies):
-                r = next((r for r in rows if r["strategy"] == s and r["cot"] == cot), None)
-                if r is None or not finite(r[metric].mean):
-                    continue
-                st = r[metric]
-                any_value = True
-                ax.barh(i + (j - (len(cots) - 1) / 2) * h, st.mean, height=h * 0.9, color=PALETTE[j % len(PALETTE)],
-                        xerr=errbar(st.lo, st.mean, st.hi), error_kw={"lw": 0.8, "capsize": 2},
-                        label=None if cot in labelled else f"cot={cot}")
-                labelled.add(cot)
-        ax.set_yticks(range(len(strategies)), strategies)
-        ax.invert_yaxis()
+        stats = {(names[r["strategy"]], str(r["cot"])): r[metric] for r in rows if finite(r[metric].mean)}
+        data = pd.DataFrame([{"strategy": s, "cot": c, "value": st.mean} for (s, c), st in stats.items()])
+        if len(data):
+            sns.barplot(data=data, y="strategy", x="value", hue="cot", order=list(names.values()),
+                        hue_order=list(colours), palette=colours, orient="h", errorbar=None, legend=False, ax=ax,
+                        width=0.8, dodge=len(cots) > 1, saturation=1)
+            for c in ax.containers:  # the legend below names the budgets once
+                c.set_label("_nolegend_")
+            by_colour = {matplotlib.colors.to_hex(c): cot for cot, c in colours.items()}
+            for bar in ax.patches:  # each bar's CI, found by its category (y) and its budget (colour)
+                cot = by_colour.get(matplotlib.colors.to_hex(bar.get_facecolor()))
+                y = bar.get_y() + bar.get_height() / 2
+                st = stats.get((list(names.values())[round(y)], cot))
+                if st is not None:
+                    ax.errorbar(st.mean, y, xerr=errbar(st.lo, st.mean, st.hi), fmt="none", ecolor="0.2", lw=0.8,
+                                capsize=2)
+        else:
+            ax.text(0.5, 0.5, "no case passes\nthe min-flip guard", transform=ax.transAxes, ha="center",
+                    va="center", color="grey")
+        ax.set_yticks(range(len(names)), list(names.values()))
+        ax.set_ylim(len(names) - 0.5, -0.5)
         ax.axvline(1.0, color="grey", lw=0.6, ls=":")
         ax.axvline(0.0, color="grey", lw=0.6)
         ax.set_title(metric)
-        if not any_value:
-            ax.text(0.5, 0.5, "no case passes\nthe min-flip guard", transform=ax.transAxes, ha="center",
-                    va="center", color="grey")
         ax.set_xlabel(metric + " (95% CI)")
-    if len(cots) > 1 and axes[0].get_legend_handles_labels()[0]:
-        axes[0].legend(loc="lower right")
-    return to_img(fig, "agreement and recovery per edit strategy, with 95% CIs")
+        ax.set_ylabel("")
+        ax.grid(axis="y", visible=False)
+    if len(cots) > 1:
+        for cot, c in colours.items():
+            axes[0].bar([0], [0], color=c, label=f"cot={cot}", width=0)
+        legend_below(fig, axes[:1], ncols=len(cots))
+    return to_img(fig, "agreement and recovery per edit strategy, with 95% CIs" +
+                  (" (\u2020 missed the field on some cases)" if missed else ""))
 
 
-def _frontier(rows: list[dict], sweep: pd.DataFrame | None) -> Markup:
-    fig, ax = new_figure(5.0, 3.2)
-    base = [r for r in rows if r["cot"] == min(r2["cot"] for r2 in rows)]
-    for i, r in enumerate(base):
-        st = r["agreement"]
-        if not finite(st.mean):
-            continue
-        ax.errorbar(100 * r["frac"], st.mean, yerr=errbar(st.lo, st.mean, st.hi), fmt="o", ms=4, color=PALETTE[0],
-                    elinewidth=0.8, capsize=2)
-        ax.annotate(r["strategy"], (100 * r["frac"], st.mean), fontsize=6, xytext=(3, 3 if i % 2 else -8),
-                    textcoords="offset points")
-    pts = sorted((100 * r["frac"], r["agreement"].mean) for r in base if finite(r["agreement"].mean))
+def _sweep_stats(g: pd.DataFrame) -> list[Stat]:
+    return [Stat(r.agreement, r.agreement_lo, r.agreement_hi, int(r.n)) for r in g.itertuples()]
+
+
+@styled
+def frontier_figure(rows: list[dict], sweep: pd.DataFrame | None, missed: set[str]) -> Figure:
+    """Left: each configured strategy's recomputed share against its agreement (95% CI), labelled directly,
+    and the frontier (the best agreement for its cost). Right, on the same scales: the held-out
+    selective(K) curves with their CI bands, each its own colour, marker and line style and dodged a
+    little sideways (they often coincide), over the frontier for reference."""
+    panels = 2 if sweep is not None and len(sweep) else 1
+    fig, axes = new_figure(4.6 * panels, 3.9, ncols=panels, sharex=True)
+    axes = np.atleast_1d(axes)
+    ax = axes[0]
+    base = [r for r in rows if r["cot"] == min(r2["cot"] for r2 in rows) and finite(r["agreement"].mean)]
+    xs = [100 * r["frac"] for r in base]
+    ys = [r["agreement"].mean for r in base]
     front, best = [], -1.0
-    for x, y in pts:
+    for x, y in sorted(zip(xs, ys)):
         if y > best:
             front.append((x, y))
             best = y
-    if len(front) > 1:
-        ax.step([p[0] for p in front], [p[1] for p in front], where="post", color=PALETTE[0], lw=0.8, alpha=0.6,
-                label="frontier")
-    if sweep is not None:
-        for j, (ranking, g) in enumerate(sweep.groupby("ranking", sort=True)):
-            ax.plot(100 * g["frac_recomputed"], g["agreement"], marker=".", lw=0.8, color=PALETTE[(j + 1) % 8],
-                    label=f"selective:K:{ranking} (held-out)")
-    ax.set_xlabel("tokens recomputed (%)")
+    for k, a in enumerate(axes):
+        if len(front) > 1:
+            a.step([p[0] for p in front], [p[1] for p in front], where="post", color=PALETTE[0], lw=0.8,
+                   alpha=0.5 if k == 0 else 0.3, label="frontier of the configured strategies")
+    if panels == 2:
+        curves = list(sweep.groupby("ranking", sort=True))
+        for j, (ranking, g) in enumerate(curves):
+            g = g.sort_values("k")
+            line(axes[1], (100 * g["frac_recomputed"]).tolist(), g["agreement"],
+                 colour=PALETTE[(j + 1) % len(PALETTE)], marker=MARKERS[(j + 1) % 8], dashes=DASHES[(j + 1) % 8],
+                 label=f"selective:K:{ranking}", dodge=2.5 * (j - (len(curves) - 1) / 2), stats=_sweep_stats(g),
+                 band_alpha=0.08, band_edges=True)
+        axes[1].set_title("held-out selective(K) by ranking, K rising to the right\n(95% CI bands; y zoomed)")
+    if base:
+        ax.errorbar(xs, ys, yerr=np.array([[e[0][0], e[1][0]] for e in
+                                           (errbar(r["agreement"].lo, r["agreement"].mean, r["agreement"].hi)
+                                            for r in base)]).T.reshape(2, -1),
+                    fmt="none", ecolor=PALETTE[0], elinewidth=0.8, capsize=2, zorder=3)
+        sns.scatterplot(x=xs, y=ys, ax=ax, color=PALETTE[0], s=30, zorder=4, legend=False)
+    ax.set_title("configured strategies (95% CI)")
+    for a in axes:
+        a.set_xscale("symlog", linthresh=1, linscale=0.6)
+        ticks = [0, 1, 2, 5, 10, 20, 50, 100]
+        a.set_xticks(ticks, [str(t) for t in ticks])
+        a.minorticks_off()
+        a.set_xlim(-0.3, 180)
+        a.set_xlabel("tokens recomputed (%, log scale above 1)")
+    ax.set_ylim(-0.08, 1.12)
+    if panels == 2:
+        seen = np.r_[sweep["agreement_lo"].to_numpy(float), sweep["agreement"].to_numpy(float)]
+        low = float(seen[np.isfinite(seen)].min()) if np.isfinite(seen).any() else 0.0
+        axes[1].set_ylim(max(-0.08, low - 0.05), 1.05)
     ax.set_ylabel("agreement with the oracle")
-    ax.set_ylim(-0.05, 1.1)
-    ax.legend(loc="lower right")
-    ax.set_title("recompute cost against agreement")
-    return to_img(fig, "recompute cost against agreement: the frontier")
+    legend_below(fig, axes, ncols=2)
+    obstacles = [(x, r["agreement"].lo, x, r["agreement"].hi) for x, r in zip(xs, base)
+                 if finite(r["agreement"].lo) and finite(r["agreement"].hi)]
+    place_labels(ax, list(zip(xs, ys)), [r["strategy"] + (" \u2020" if r["strategy"] in missed else "") for r in base],
+                 obstacles=obstacles)
+    return fig
+
+
+def _frontier(rows: list[dict], sweep: pd.DataFrame | None, missed: set[str]) -> Markup:
+    return to_img(frontier_figure(rows, sweep, missed),
+                  "recompute cost against agreement: each configured strategy labelled, with the frontier; beside "
+                  "it the held-out selective(K) curves per ranking with 95% CI bands")
 
 
 SECTION = register(Section(

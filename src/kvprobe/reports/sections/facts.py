@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kvprobe.reports.folder import Run
 from kvprobe.reports.sections.registry import Section, register
+from kvprobe.reports.summary import reason_text
 from kvprobe.results import MANIFEST
 
 
@@ -45,7 +46,8 @@ def build_facts(run: Run) -> dict | None:
     counts = m.get("counts", {})
     validity = m.get("validity", {})
     return {"facts": [(k, "" if v is None else str(v)) for k, v in facts], "counts": sorted(counts.items()),
-            "skipped": m.get("skipped", []), "invalid": sorted(m.get("invalid_reasons", {}).items()),
+            "skipped": m.get("skipped", []),
+            "invalid": sorted((reason_text(k), v) for k, v in m.get("invalid_reasons", {}).items()),
             "validity": sorted(validity.items()), "folder": str(run.folder), "has_manifest": bool(m)}
 
 

@@ -35,7 +35,7 @@ def build_headline(run: Run) -> dict | None:
         v = s["validity"]
         facts.append({"id": "validity", "label": "Valid cases", "answer": f"{v['valid_decision']} of {v['decision']}",
                       "sentence": v["sentence"], "rule": None})
-    return {"facts": facts, "threshold": s["threshold"]}
+    return {"facts": facts, "threshold": s["threshold"]} if facts else None
 
 
 SECTION = register(Section(

@@ -8,7 +8,8 @@ import pandas as pd
 from markupsafe import Markup
 from matplotlib.ticker import MaxNLocator
 
-from kvprobe.reports.figures import PALETTE, finite, new_figure, to_img
+from kvprobe.reports.figures import (DASHES, MARKERS, PALETTE, finite, legend_below, line, new_figure, styled,
+                                     to_img)
 from kvprobe.reports.folder import Run
 from kvprobe.reports.sections.registry import Section, register
 from kvprobe.reports.stats import Stat, nanfloat
@@ -52,27 +53,27 @@ def build_linear(run: Run) -> dict | None:
             "n_templates": int(lin["n_templates"].max()) if "n_templates" in lin else None}
 
 
+@styled
 def _linear_fig(acc, shuf, lens, write, commit, n_layers) -> Markup:
     sites = [s for s in ("field", "notes", "decision") if (acc["region"] == s).any()]
-    fig, axes = new_figure(2.4 * max(1, len(sites)), 2.6, ncols=max(1, len(sites)), sharey=True)
+    fig, axes = new_figure(2.6 * max(1, len(sites)), 2.9, ncols=max(1, len(sites)), sharey=True)
     axes = np.atleast_1d(axes)
     for ax, site in zip(axes, sites):
         g = acc[(acc["region"] == site) & (acc["label"] == "value")]
-        for j, (stream, gs) in enumerate(g.groupby("stream", sort=True)):
+        streams = list(g.groupby("stream", sort=True))
+        for j, (stream, gs) in enumerate(streams):
             gs = gs.sort_values("layer")
-            x = gs["layer"].astype(float).tolist()
             y = gs["value"].astype(float).tolist()
-            sts = [Stat.wilson(v, int(n)) for v, n in zip(y, gs["n"])]
-            ax.plot(x, y, marker="o", ms=3, color=PALETTE[j], label=f"{stream}")
-            ax.fill_between(x, [s.lo if finite(s.lo) else np.nan for s in sts],
-                            [s.hi if finite(s.hi) else np.nan for s in sts], color=PALETTE[j], alpha=0.15, lw=0)
+            line(ax, gs["layer"].astype(float).tolist(), y, colour=PALETTE[j], marker=MARKERS[j], dashes=DASHES[j],
+                 label=f"{stream} (Wilson 95% band)", ms=3.5, dodge=1.5 * (j - (len(streams) - 1) / 2),
+                 stats=[Stat.wilson(v, int(n)) for v, n in zip(y, gs["n"])])
         sh = shuf[(shuf["region"] == site) & (shuf["label"] == "value")]
         if len(sh):
             m = sh.groupby("layer")["value"].mean()
             ax.plot(m.index.astype(float), m.values, color="grey", ls="--", lw=0.7, label="shuffled labels")
         if site == "decision" and len(lens):
-            ax.plot(lens["layer"].astype(float), lens["value"].astype(float), color=PALETTE[3], marker="s", ms=3,
-                    lw=0.8, label="logit lens agrees")
+            line(ax, lens["layer"].astype(float), lens["value"].astype(float), colour=PALETTE[3], marker="s",
+                 dashes=DASHES[3], lw=0.8, ms=3, label="logit lens agrees")
         if site in write:
             ax.axvline(write[site], color=PALETTE[4], lw=1.2, label=f"write depth (L{write[site]})")
         if commit is not None:
@@ -82,13 +83,9 @@ def _linear_fig(acc, shuf, lens, write, commit, n_layers) -> Markup:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylim(-0.05, 1.05)
     axes[0].set_ylabel("held-out accuracy (label: value)")
-    handles = {}
-    for ax in axes:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            handles.setdefault(lab, h)
-    if handles:
-        fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=min(4, len(handles)))
-    return to_img(fig, "linear-probe accuracy by layer with the write and commit depths")
+    legend_below(fig, axes, ncols=4)
+    return to_img(fig, "linear-probe held-out accuracy by layer with Wilson 95% bands, at the field, the notes and "
+                       "the decision token, with the write and commit depths")
 
 
 SECTION = register(Section(

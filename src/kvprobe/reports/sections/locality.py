@@ -3,11 +3,11 @@ or downstream span one layer at a time."""
 
 from __future__ import annotations
 
-import numpy as np
 from markupsafe import Markup
+from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from kvprobe.reports.figures import PALETTE, errbar, finite, new_figure, to_img
+from kvprobe.reports.figures import DASHES, MARKERS, PALETTE, finite, legend_below, line, new_figure, styled, to_img
 from kvprobe.reports.folder import Run
 from kvprobe.reports.sections.shared import decision_rows, guard, guard_note
 from kvprobe.reports.sections.registry import Section, register
@@ -47,41 +47,56 @@ def build_locality(run: Run) -> dict | None:
     return {"curves": curves, "named": named, "fig": fig, "note": note, "guarded": guarded, "headline": headline}
 
 
+SPANS = {"field": (PALETTE[3], MARKERS[2]), "downstream": (PALETTE[4], MARKERS[3])}  # colour, marker
+
+
 def _locality_fig(curves, named, layers, guarded) -> Markup:
-    fig, axes = new_figure(6.4, 2.8, ncols=2)
+    return to_img(locality_figure(curves, named, layers, guarded),
+                  "decision recovery: top-k notes against random k downstream positions by k, with 95% CI bands and "
+                  "the whole field and downstream spans; and the field or downstream span patched one layer at a "
+                  "time")
+
+
+@styled
+def locality_figure(curves, named, layers, guarded) -> Figure:
+    """Recovery against k for the top-k notes and the random-k control, and by layer for the spans, with 95%
+    CI bands; the legend below both plots, outside their data."""
+    fig, axes = new_figure(7.2, 3.2, ncols=2, sharey=True)
     ax = axes[0]
+    ks = set()
     for j, (s, label) in enumerate((("topk", "top-k notes"), ("randomk", "random k (control)"))):
         pts = [(k, st) for k, st in curves.get(s, []) if finite(st.mean)]
-        if not pts:
-            continue
-        x = [k for k, _ in pts]
-        ax.plot(x, [st.mean for _, st in pts], marker="o", ms=3, color=PALETTE[j], label=label)
-        lo = [st.lo if finite(st.lo) else st.mean for _, st in pts]
-        hi = [st.hi if finite(st.hi) else st.mean for _, st in pts]
-        ax.fill_between(x, lo, hi, color=PALETTE[j], alpha=0.2, lw=0)
-    for j, (s, st) in enumerate(named):
-        if s in ("downstream", "field") and finite(st.mean):
-            ax.axhline(st.mean, color=PALETTE[2 + j % 3], ls="--", lw=0.7, label=f"{s} span ({st.mean:.2f})")
-    ax.set_xscale("log", base=2)
+        if pts:
+            ks |= {k for k, _ in pts}
+            line(ax, [k for k, _ in pts], [st.mean for _, st in pts], colour=PALETTE[j], marker=MARKERS[j],
+                 dashes=DASHES[j], label=f"{label} (95% CI band)", stats=[st for _, st in pts])
+    for s, st in named:
+        if s in SPANS and finite(st.mean):
+            ax.axhline(st.mean, color=SPANS[s][0], ls=DASHES[2], lw=0.9, label=f"whole {s} span, all layers "
+                                                                               f"({st.mean:.2f})")
+    if ks:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(ks), [str(k) for k in sorted(ks)])
+        ax.minorticks_off()
     ax.set_xlabel("k (downstream positions patched)")
     ax.set_ylabel("decision recovery")
     ax.set_title("top-k against random-k" + ("" if guarded else " (UNGUARDED)"))
-    ax.legend(loc="best")
     ax = axes[1]
     for j, (region, pts) in enumerate(sorted(layers.items())):
         pts = [(lay, st) for lay, st in pts if finite(st.mean)]
-        if not pts:
-            continue
-        ax.errorbar([p[0] for p in pts], [p[1].mean for p in pts],
-                    yerr=np.array([[e[0][0], e[1][0]] for e in (errbar(st.lo, st.mean, st.hi) for _, st in pts)]).T,
-                    marker="o", ms=3, capsize=2, lw=0.8, color=PALETTE[j], label=f"{region} span, one layer")
+        if pts:
+            colour, marker = SPANS.get(region, (PALETTE[5], MARKERS[4]))
+            line(ax, [p[0] for p in pts], [p[1].mean for p in pts], colour=colour, marker=marker,
+                 dashes=DASHES[j], label=f"{region} span, one layer at a time (95% CI band)",
+                 stats=[st for _, st in pts], dodge=2.0 * (j - 0.5))
     ax.set_xlabel("layer")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylabel("decision recovery")
     ax.set_title("one layer at a time")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="best")
-    return to_img(fig, "top-k against random-k recovery curves, and recovery by layer")
+    ax.yaxis.set_tick_params(labelleft=True)
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(min(lo, -0.05), max(hi, 1.05))  # recovery's scale, 0 (stale) to 1 (oracle), always in view
+    legend_below(fig, ncols=2)
+    return fig
 
 
 SECTION = register(Section(

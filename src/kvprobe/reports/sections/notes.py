@@ -16,7 +16,16 @@ from kvprobe.reports.stats import Stat, nanfloat
 from kvprobe.results import CONCENTRATION, LOCALITY, VALIDITY
 
 N_MAP_CASES = 3  # cases shown in the notes map
+N_OPEN = 1  # of them, shown unfolded (the rest folded, each behind a one-line summary)
 N_RANKED = 5  # top notes numbered in the map
+N_SUMMARY = 3  # top notes named in a folded case's summary line
+
+
+def token_name(text: str) -> str:
+    """A token as the page names it: its text in quotes, line breaks as \u21b5, surrounding spaces dropped
+    (a token of spaces only is \u00b7)."""
+    shown = text.replace("\n", "\u21b5").strip(" \t") or "\u00b7"
+    return f'"{shown}"'
 
 
 def _rgba(norm: float, scale: float) -> str:
@@ -55,6 +64,10 @@ def _case_map(run: Run, case_id: str, sweep: pd.DataFrame, tokens: pd.DataFrame)
     ranked = (down.assign(s=down["value"] * sign).sort_values(["s", "position"], ascending=[False, True])
               ["position"].astype(int).tolist()[:N_RANKED])
     rank = {p: i + 1 for i, p in enumerate(ranked)}
+    texts = {p: (text, kind) for p, text, _, kind, _ in items}
+    # a note by its token's text and position; by kind and position where the folder has no token text
+    notes = [{"position": p, "name": f"{token_name(texts[p][0])} (pos {p})" if len(t) and p in texts
+              else f"pos {p} ({texts.get(p, ('', '?'))[1]})"} for p in ranked]
     field_pos = [p for p, *_, region in items if region == "field"]
     new_value = "".join(tn for p, _, tn, _, region in items if region == "field").strip()
     parts = []
@@ -73,7 +86,7 @@ def _case_map(run: Run, case_id: str, sweep: pd.DataFrame, tokens: pd.DataFrame)
         if field_pos and p == field_pos[-1]:
             parts.append(f'<span class="newval" title="the new value">\u2192 {escape(new_value)}</span>')
     return {"case_id": case_id, "flip": flip, "scale": scale, "html": Markup("".join(parts)),
-            "ranked": ranked, "has_text": bool(len(t))}
+            "ranked": ranked, "notes": notes, "has_text": bool(len(t))}
 
 
 def build_notes(run: Run) -> dict | None:
@@ -99,7 +112,7 @@ def build_notes(run: Run) -> dict | None:
     info = validity.set_index("case_id") if len(validity) else pd.DataFrame()
     conc = run.table(CONCENTRATION)
     cases = []
-    for cid in pool.index[:N_MAP_CASES]:
+    for i, cid in enumerate(pool.index[:N_MAP_CASES]):
         c = _case_map(run, cid, sweep[sweep["case_id"] == cid], tokens)
         if cid in info.index:
             row = info.loc[cid]
@@ -107,6 +120,7 @@ def build_notes(run: Run) -> dict | None:
                      new=row.get("new_value"), expected_old=row.get("expected_old"),
                      expected_new=row.get("expected_new"), valid=bool(row.get("valid")))
         c["small_flip"] = abs(c["flip"]) < run.min_flip
+        c["open"] = i < N_OPEN
         kinds = conc[(conc["case_id"] == cid) & (conc["metric"] == "kind_share")] if len(conc) else conc
         c["kinds"] = [{"kind": k, "share": v, "n_tokens": int(n)}
                       for k, v, n in zip(kinds.get("kind", []), kinds.get("value", []), kinds.get("n_tokens", []))]
@@ -121,6 +135,7 @@ def build_notes(run: Run) -> dict | None:
                 agg.append({"kind": kind, "stat": Stat.of(gk["value"]),
                             "n_tokens": Stat.of(gk["n_tokens"]).mean})
     return {"cases": cases, "warning": warning, "kinds": agg, "kinds_note": agg_note, "min_flip": run.min_flip,
+            "n_summary": N_SUMMARY,
             "n_probed": len(per_case), "n_valid": len(set(per_case.index) & valid_ids),
             "text_missing": not len(tokens)}
 

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pandas as pd
+import seaborn as sns
 from markupsafe import Markup
 
-from kvprobe.reports.figures import PALETTE, finite, new_figure, to_img
+from kvprobe.reports.figures import (DASHES, MARKERS, PALETTE, finite, legend_below, line, new_figure, share, styled,
+                                     to_img)
 from kvprobe.reports.folder import Run
 from kvprobe.reports.sections.shared import fmt
 from kvprobe.reports.sections.registry import Section, register
-from kvprobe.reports.stats import Stat, nanfloat
+from kvprobe.reports.stats import nanfloat
 from kvprobe.results import SERVING
 
 SERVING_NEEDS = ("rate", "arm", "ok", "prompt_tokens", "cached_tokens", "ceiling_tokens", "ttft_s", "run_wall_s",
@@ -49,7 +50,7 @@ def build_serving(run: Run) -> dict | None:
                        "usage": float(g["cached_tokens"].fillna(0).sum()) / prompt if prompt and reported
                        else float("nan"),
                        "ceiling": float(g["ceiling_tokens"].sum()) / prompt if prompt else float("nan"),
-                       "agree": Stat.of(g["agree"].dropna().astype(float)),
+                       "agree": share(g["agree"].dropna().astype(float)),
                        "oracle_answers": int(g.loc[g["oracle_answer"] != "?", "oracle_answer"].nunique())
                        if "oracle_answer" in g else 0})
     rows = [{"rate": _rate_text(r.rate), "arm": r.arm, "ok": r.ok, "n": r.n, "metrics": r.hit_rate_metrics,
@@ -83,36 +84,45 @@ def build_serving(run: Run) -> dict | None:
             "bars": _serving_bars(pooled), "load_fig": _serving_load(summary, arms)}
 
 
+@styled
 def _serving_bars(pooled: list[dict]) -> Markup:
-    fig, ax = new_figure(5.2, 2.6)
-    x = np.arange(len(pooled))
-    for j, (key, label) in enumerate((("metrics", "/metrics"), ("usage", "cached_tokens"))):
-        ax.bar(x + (j - 0.5) * 0.38, [100 * nanfloat(p[key]) for p in pooled], width=0.38, color=PALETTE[j],
-               label=label)
+    fig, ax = new_figure(5.6, 2.9)
+    sources = {"/metrics": "metrics", "cached_tokens": "usage"}
+    data = pd.DataFrame([{"arm": p["arm"], "source": label, "hit": 100 * nanfloat(p[key])}
+                         for p in pooled for label, key in sources.items()])
+    sns.barplot(data=data, x="arm", y="hit", hue="source", hue_order=list(sources), order=[p["arm"] for p in pooled],
+                palette=dict(zip(sources, PALETTE)), errorbar=None, ax=ax, width=0.76, saturation=1)
     for i, p in enumerate(pooled):
         if finite(p["ceiling"]):
             ax.plot([i - 0.42, i + 0.42], [100 * p["ceiling"]] * 2, color="black", lw=1.2,
-                    label="ceiling" if i == 0 else None)
-    ax.set_xticks(x, [p["arm"] for p in pooled])
-    ax.set_ylim(0, 128)
+                    label="ceiling (whole KV blocks)" if i == 0 else None)
+    ax.set_ylim(0, 105)
     ax.set_yticks([0, 20, 40, 60, 80, 100])
+    ax.set_xlabel("")
     ax.set_ylabel("prefix-cache hit rate (%)")
     ax.set_title("hit rate per arm, all loads pooled")
-    ax.legend(loc="upper center", ncols=3)
-    return to_img(fig, "prefix-cache hit rate per arm with its block-granularity ceiling")
+    ax.grid(axis="x", visible=False)
+    if ax.get_legend() is not None:
+        ax.get_legend().remove()
+    legend_below(fig, ncols=3)
+    return to_img(fig, "prefix-cache hit rate per arm, from the server's counters and from cached_tokens, with its "
+                       "block-granularity ceiling")
 
 
+@styled
 def _serving_load(summary: pd.DataFrame, arms: list[str]) -> Markup:
     rates = sorted(summary["rate"].unique())
     finite_rates = [r for r in rates if math.isfinite(r)]
     sat_x = (max(finite_rates) * 2) if finite_rates else 1.0
-    fig, axes = new_figure(6.8, 2.6, ncols=2)
+    fig, axes = new_figure(7.0, 2.9, ncols=2)
     for j, arm in enumerate(arms):
         g = summary[summary["arm"] == arm].sort_values("rate")
         xs = [r if math.isfinite(r) else sat_x for r in g["rate"]]
-        axes[0].plot(xs, 1000 * g["ttft_p90"], marker="o", ms=3, color=PALETTE[j], label=arm)
-        axes[0].plot(xs, 1000 * g["ttft_p50"], ls=":", lw=0.8, color=PALETTE[j])
-        axes[1].plot(xs, g["throughput"], marker="o", ms=3, color=PALETTE[j], label=arm)
+        style = {"colour": PALETTE[j % len(PALETTE)], "marker": MARKERS[j % 8], "ms": 3.5,
+                 "dodge": 1.5 * (j - (len(arms) - 1) / 2)}  # arms that coincide stay apart
+        line(axes[0], xs, 1000 * g["ttft_p90"], label=arm, **style)
+        line(axes[0], xs, 1000 * g["ttft_p50"], dashes=":", lw=0.8, **(style | {"ms": 0}))
+        line(axes[1], xs, g["throughput"], label=arm, dashes=DASHES[j % 8], **style)
     ticks = [r if math.isfinite(r) else sat_x for r in rates]
     for ax in axes:
         ax.set_xscale("log")
@@ -124,8 +134,8 @@ def _serving_load(summary: pd.DataFrame, arms: list[str]) -> Markup:
     axes[0].set_title("time to first token against load")
     axes[1].set_ylabel("completed requests/s")
     axes[1].set_title("throughput against load")
-    axes[1].legend(loc="upper left")
-    return to_img(fig, "TTFT and throughput against load per arm")
+    legend_below(fig, [axes[1]], ncols=4)
+    return to_img(fig, "TTFT (p50 and p90) and throughput against the offered load, per arm")
 
 
 SECTION = register(Section(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import seaborn as sns
 
-from kvprobe.reports.figures import PALETTE, finite, new_figure, to_img
+from kvprobe.reports.figures import PALETTE, finite, new_figure, styled, to_img
 from kvprobe.reports.folder import Run
 from kvprobe.reports.sections.registry import Section, register
 from kvprobe.reports.stats import Stat, nanfloat
@@ -35,6 +35,7 @@ def build_topk(run: Run) -> dict | None:
             "reason": cfg.get("reason"), "threshold": threshold, "yaml": run.topk_text}
 
 
+@styled
 def _sweep_fig(rows: list[dict], threshold: float, k_shown, established: bool):
     """Agreement by K on an evenly spaced K axis (0 = the field alone), a Wilson band, the threshold."""
     pts = [r for r in rows if finite(r["agreement"].mean)]
