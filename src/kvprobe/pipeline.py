@@ -460,6 +460,7 @@ def _invalid_reasons(validity: pd.DataFrame) -> dict:
     if validity.empty:
         return {}
     bad = validity[~validity.valid]
-    reasons = (bad.correct_old.map({True: "", False: "wrong under old value"}) + " " +
-               bad.correct_new.map({True: "", False: "wrong under new value"})).str.strip()
-    return reasons.value_counts().to_dict()
+    words = {(False, True): "wrong under the old value", (True, False): "wrong under the new value",
+             (False, False): "wrong under both values", (True, True): "no decision"}
+    reasons = [words[(bool(o), bool(n))] for o, n in zip(bad.correct_old, bad.correct_new)]
+    return pd.Series(reasons, dtype=object).value_counts().to_dict()

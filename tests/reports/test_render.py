@@ -79,7 +79,7 @@ def test_manifest_only_folder_gives_run_facts_only(variant):
         if f.name != MANIFEST:
             f.unlink()
     html = render_html([folder])
-    assert sections(html) == ["facts"]
+    assert sections(html) == ["headline", "facts"]  # the answer from the manifest: its valid cases
     assert "tiny-qwen2" in html and "weights_hash" in html
 
 
@@ -200,7 +200,9 @@ def test_composition_and_ttft(tmp_path):
     (folder / "compose_manifest.json").write_text(json.dumps({"command": "validate", "model": {"spec": "tiny-llama"},
                                                               "n": 12, "seams": [0, 1, 4], "gated_seam": 4}))
     html = render_html([folder])
-    assert sections(html) == ["compose", "facts"]
+    assert sections(html) == ["headline", "compose", "facts"]  # the answer: the gate at seam 4
+    assert ("Composition gate passes: a moved, re-rotated block agrees with a full prefill 1.00 [0.76, 1.00] "
+            "n=12") in html
     assert columns(html, "compose") == ["tiny-llama"]
     assert "No TTFT benchmark result" in html
     pd.DataFrame([{"block_tokens": L, "full_s": L / 1000 * (1 + r / 10), "compose_s": 0.1, "speedup": L / 100}

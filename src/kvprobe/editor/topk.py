@@ -44,8 +44,8 @@ from kvprobe.results import (
     read_table,
 )
 
-__all__ = ["SCHEMA_VERSION", "TOPK_FILE", "cases_to_establish", "export_topk", "k_star_fields", "k_sweep", "kinds_of_top", "strategy_evidence",
-           "topk_config", "write_topk"]
+__all__ = ["SCHEMA_VERSION", "TOPK_FILE", "cases_to_establish", "export_topk", "k_star_fields", "k_sweep",
+           "kinds_of_top", "strategy_evidence", "topk_config", "write_topk"]
 NO_RANKING = "a sweep measures no causal ranking"
 Z95 = 1.959963984540054  # the normal quantile of a two-sided 95% interval
 

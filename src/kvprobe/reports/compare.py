@@ -14,7 +14,7 @@ import seaborn as sns
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
 from kvprobe.errors import KvprobeError, UsageError
-from kvprobe.reports.figures import PALETTE, new_figure, to_img
+from kvprobe.reports.figures import PALETTE, new_figure, styled, to_img
 from kvprobe.reports.folder import load_runs
 from kvprobe.reports.stats import RULE
 from kvprobe.reports.summary import REPAIR_RULE, SCHEMA_VERSION, WHERE_RULE, stat_text, summarize_run
@@ -135,6 +135,7 @@ def strategy_matrix(sums: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 
 # -- HTML ----------------------------------------------------------------------------------------------
+@styled
 def agreement_figure(sums: list[dict]):
     """Agreement with its Wilson CI per strategy (rows), one colour and marker per folder, dodged; the
     legend outside the data."""

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvprobe.composer.gate import summarize_compose
 from kvprobe.defaults import GATE_SEAM, GATE_THRESHOLD
 from kvprobe.editor.topk import cases_to_establish, k_star_fields, k_sweep
 from kvprobe.metrics import summarize_edits, valid_case_ids
@@ -191,7 +190,8 @@ def top_text(st: Stat) -> str:
 
 def repair(rows: list[dict], threshold: float) -> dict | None:
     """The recommended repair by :data:`REPAIR_RULE` among ``rows`` (:func:`strategy_rows`)."""
-    tried = [r for r in rows if r["strategy"] not in NOT_REPAIRS and r["agreement"] and r["agreement"]["lo"] is not None]
+    tried = [r for r in rows
+             if r["strategy"] not in NOT_REPAIRS and r["agreement"] and r["agreement"]["lo"] is not None]
     if not tried:
         return None
     cost = lambda r: (r["frac_recomputed"] if r["frac_recomputed"] is not None else math.inf,  # noqa: E731
@@ -271,15 +271,16 @@ def composition(run: Run) -> dict | None:
     cm = run.compose_manifest
     seam = int(cm.get("gated_seam", GATE_SEAM))
     threshold = float(cm.get("threshold", GATE_THRESHOLD))
-    summ = summarize_compose(df)
-    rot = summ[summ.rerotate]
+    if not {"rerotate", "seam", "agree"} <= set(df.columns):
+        return None
+    rot = df[df["rerotate"].astype(bool)]
     if rot.empty:
         return None
-    if seam not in set(rot.seam):  # a run with other seams: the nearest one
-        seam = int(min(rot.seam, key=lambda s: (abs(s - seam), s)))
-    r = rot[rot.seam == seam].iloc[0]
-    st = stat_dict(Stat(r.agreement, r.agreement_lo, r.agreement_hi, int(r.n)))
-    passed = bool(r.agreement >= threshold)
+    if seam not in set(rot["seam"]):  # a run with other seams: the nearest one
+        seam = int(min(rot["seam"], key=lambda s: (abs(s - seam), s)))
+    agree = Stat.share(rot[rot["seam"] == seam]["agree"].astype(float))
+    st = stat_dict(agree)
+    passed = bool(agree.mean >= threshold)
     return {"seam": seam, "threshold": threshold, "agreement": st, "passed": passed,
             "established": bool(st["lo"] is not None and st["lo"] >= threshold),
             "sentence": (f"Composition gate {'passes' if passed else 'fails'}: a moved, re-rotated block agrees with "
@@ -317,10 +318,11 @@ def validity(run: Run) -> dict | None:
 
 
 def reason_text(reason: str) -> str:
-    """An invalid-case reason in words (manifests before 0.1 wrote "wrong under old value wrong under new value")."""
-    if "old" in reason and "new" in reason:
+    """An invalid-case reason in words; manifests written before the words were fixed said "wrong under old
+    value wrong under new value" for a case wrong under both."""
+    if "old value" in reason and "new value" in reason:
         return "wrong under both values"
-    return reason
+    return reason.replace("under old value", "under the old value").replace("under new value", "under the new value")
 
 
 # -- the summary --------------------------------------------------------------------------------------------
