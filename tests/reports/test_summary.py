@@ -7,6 +7,7 @@ import csv
 import io
 import json
 import re
+from pathlib import Path
 
 import jsonschema
 import pandas as pd
@@ -130,3 +131,21 @@ def test_compare_refusals_are_one_line(variant, tmp_path):
     one_line_error(kvprobe("compare", str(sweep)), "is a `kvprobe sweep` folder", "kvprobe report")
     one_line_error(kvprobe("compare", str(folder), "--csv", str(tmp_path / "x"), "--json", str(tmp_path / "x")),
                    "name the same file")
+
+
+KEPT = Path(__file__).resolve().parents[2] / "docs" / "summaries"
+
+
+def test_kept_summaries_validate_against_the_schema():
+    """The summaries kept in docs/summaries (real runs: qwen2.5-1.5b and two toys, and their comparison;
+    docs/summary.md gives the commands) still validate: a schema change that breaks them fails here."""
+    files = sorted(KEPT.glob("*.json"))
+    assert files, f"no kept summary in {KEPT}"
+    n_runs = 0
+    for path in files:
+        data = json.loads(path.read_text())
+        runs = data["runs"] if "kvprobe_compare" in data else [data]
+        for run in runs:
+            jsonschema.validate(run, schema())
+            n_runs += 1
+    assert n_runs >= 6  # three summary.json files and the three runs of the comparison

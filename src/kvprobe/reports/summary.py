@@ -178,7 +178,7 @@ def where(run: Run) -> dict | None:
         parts.append(f"the top {k} notes {stat_text(stat_dict(top))} (random {k}: {top_text(rand)})")
     head = {"takes notes": "The decision lives in downstream notes",
             "reads the field": "The decision reads the field itself",
-            "mixed": "The decision is mixed: partly the field, partly downstream notes",
+            "mixed": "The decision is mixed (partly the field, partly downstream notes)",
             "inconclusive": "Where the decision lives is inconclusive"}[v]
     out["sentence"] = f"{head}: {'; '.join(parts)} (recovery, 95% CI)."
     return out
