@@ -26,9 +26,11 @@ def compare(results_dirs: list[Path] = typer.Argument(..., help="`kvprobe run` r
     from kvprobe.cli.common import usable_file
     from kvprobe.reports import compare as C
 
-    outs = [p for p in (csv_out, json_out, html_out) if p is not None]
-    for p in outs:
-        usable_file(p)
+    named = {"--csv": csv_out, "--json": json_out, "--html": html_out}
+    outs = [p for p in named.values() if p is not None]
+    for option, p in named.items():
+        if p is not None:
+            usable_file(p, option)
     if len(set(outs)) < len(outs):
         from kvprobe.errors import UsageError
 
