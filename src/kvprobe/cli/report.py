@@ -14,8 +14,8 @@ def report(results_dirs: list[Path] = typer.Argument(..., help="results folders 
                                                                 "several give one column per model"),
            out: Path | None = typer.Option(None, show_default="RESULTS_DIR/report.html for one folder, report.html "
                                                               "for several", help="HTML file to write")) -> None:
-    """Render the answer (headline), the notes map, edit strategies, locality, linear probes, knockout, top-K, composition,
-    serving and run facts into one HTML file with no external resources."""
+    """Render the answer (headline), the notes map, edit strategies, locality, linear probes, knockout,
+    top-K, composition, serving and run facts into one HTML file with no external resources."""
     from kvprobe.cli.common import usable_file
     from kvprobe.reports.html import render_report
     from kvprobe.results import SWEEP_MANIFEST
