@@ -296,8 +296,7 @@ def test_the_page_says_what_the_heatmap_outlines(tiny_results):
 
 
 def test_shares_get_wilson_intervals_and_means_the_bootstrap():
-    from kvprobe.reports.figures import share
-
+    share = Stat.share
     assert share([1, 0, 1, 1]) == Stat.wilson(0.75, 4)
     assert share([1.0] * 15).lo < 1.0  # 15 of 15 is not [1, 1]
     assert share([0.5, 1.0, 0.0]) == Stat.of([0.5, 1.0, 0.0])

@@ -44,8 +44,8 @@ from kvprobe.results import (
     read_table,
 )
 
-__all__ = ["SCHEMA_VERSION", "TOPK_FILE", "cases_to_establish", "export_topk", "k_star_fields", "k_sweep",
-           "kinds_of_top", "strategy_evidence", "topk_config", "write_topk"]
+__all__ = ["SCHEMA_VERSION", "TOPK_FILE", "cases_to_establish", "export_topk", "held_out_decisions", "k_star_fields",
+           "k_star_for", "k_sweep", "kinds_of_top", "strategy_evidence", "topk_config", "write_topk"]
 NO_RANKING = "a sweep measures no causal ranking"
 Z95 = 1.959963984540054  # the normal quantile of a two-sided 95% interval
 
@@ -78,6 +78,20 @@ def cases_to_establish(threshold: float) -> int | None:
     while proportion_ci(n, n)[0] < threshold:  # the closed form, checked against scipy's interval
         n += 1
     return n
+
+
+def held_out_decisions(edits: pd.DataFrame, held_out_cases) -> pd.DataFrame:
+    """The rows K* is judged on: valid decision cases among ``held_out_cases`` (not used to learn the ranking)."""
+    return edits[edits.case_id.isin(set(held_out_cases)) & edits.valid.astype(bool) & ~edits.control.astype(bool)]
+
+
+def k_star_for(sweep: pd.DataFrame, rule: dict, threshold: float, max_downstream: int) -> dict:
+    """:func:`k_star_fields` of the held-out ``sweep``, or ``no ranking`` when the causal ``rule`` (as
+    ranking_rule.json stores it) learned from no case."""
+    if not rule.get("n_training_cases"):
+        return {"k_star": None, "k_star_status": "no ranking",
+                "reason": rule.get("note") or "the causal ranking rule has no training cases"}
+    return k_star_fields(sweep, threshold, max_downstream)
 
 
 def k_star_fields(sweep: pd.DataFrame, threshold: float, max_downstream: int) -> dict:
@@ -158,11 +172,7 @@ def topk_config(edits: pd.DataFrame, fingerprint: dict, rule: dict, kinds_at_top
                                                 "layers": "all" if n_layers is None else f"all {n_layers}"},
            "token_kinds_at_top": kinds_at_top, "erratum_template": erratum_template,
            "k_sweep": sweep.round(4).to_dict("records")}
-    if not rule.get("n_training_cases"):
-        cfg.update(k_star=None, k_star_status="no ranking",
-                   reason=rule.get("note") or "the causal ranking rule has no training cases")
-    else:
-        cfg.update(k_star_fields(sweep, threshold, max_downstream))
+    cfg.update(k_star_for(sweep, rule, threshold, max_downstream))
     cfg["strategies"] = strategies or []
     return cfg
 
@@ -218,8 +228,7 @@ def export_topk(results_dir: Path | str, out: Path | str | None = None, threshol
     held_out = edits.case_id.isin(set(rule["held_out_cases"]))
     # every valid control: none is used to learn the ranking
     evidence = strategy_evidence(edits[(edits.cot == 0) & (held_out | edits.control.astype(bool))])
-    edits = edits[held_out & edits.valid & ~edits.control]
-    cfg = topk_config(edits, manifest["model"], rule["rule"], rule["kinds_at_top"], rule["max_downstream"],
+    cfg = topk_config(held_out_decisions(edits, rule["held_out_cases"]), manifest["model"], rule["rule"], rule["kinds_at_top"], rule["max_downstream"],
                       config["erratum_template"], threshold, manifest.get("n_layers"), evidence)
     return write_topk(cfg, out or results_dir / TOPK_FILE)
 

@@ -25,7 +25,6 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.transforms import Bbox, ScaledTranslation
 
-from kvprobe.reports.stats import Stat
 
 SVG_RC = {"svg.hashsalt": "kvprobe-report", "svg.fonttype": "none", "font.size": 8,
           "axes.spines.top": False, "axes.spines.right": False, "axes.grid": True, "grid.alpha": 0.3,
@@ -84,16 +83,6 @@ def errbar(lo, mean, hi):
     low = mean - lo if finite(lo) and finite(mean) else 0.0
     high = hi - mean if finite(hi) and finite(mean) else 0.0
     return [max(0.0, low)], [max(0.0, high)]
-
-
-def share(values) -> Stat:
-    """A yes/no share over cases with its Wilson interval; values that are not all 0 or 1 (a per-case
-    mean over several draws) are a mean, with the bootstrap interval."""
-    x = np.asarray(values, dtype=float)
-    x = x[~np.isnan(x)]
-    if len(x) and np.isin(x, (0.0, 1.0)).all():
-        return Stat.wilson(float(x.mean()), len(x))
-    return Stat.of(x)
 
 
 # --- readable colour ---------------------------------------------------------------------------------

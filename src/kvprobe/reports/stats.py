@@ -45,8 +45,11 @@ class Stat:
 
     @classmethod
     def share(cls, values) -> "Stat":
-        """The share of yes (1) among yes/no ``values`` (NaNs dropped), with its Wilson 95% interval."""
-        return cls(*proportion(values))
+        """The share of yes (1) among yes/no ``values`` (NaNs dropped), with its Wilson 95% interval; values
+        that are not all 0 or 1 (a per-case mean over several draws) are a mean, with the bootstrap interval."""
+        x = np.asarray(values, dtype=float)
+        x = x[~np.isnan(x)]
+        return cls(*proportion(x)) if np.isin(x, (0.0, 1.0)).all() else cls.of(x)
 
     @classmethod
     def wilson(cls, p: float, n: int, z: float = 1.96) -> "Stat":

@@ -8,7 +8,7 @@ run``, ``summary.json`` and ``kvprobe compare``: a pure function of the folder's
    to the decision) whose agreement with the oracle has a Wilson 95% lower bound at or above the
    threshold; when none has, ``recommended`` is null and ``closest`` the one with the highest bound.
 3. **K\\*** (``k_star``): established only where its lower bound reaches the threshold
-   (:func:`kvprobe.editor.topk.k_star_fields`), recomputed from the folder's tables.
+   (:func:`kvprobe.editor.topk.k_star_for`), recomputed from the folder's tables.
 4. **The composition gate** (``composition``), where the run composed: re-rotated agreement at the
    gated seam against the gate's threshold.
 5. **Validity** (``validity``): how many cases count and why the others were dropped.
@@ -29,7 +29,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvprobe.defaults import GATE_SEAM, GATE_THRESHOLD
-from kvprobe.editor.topk import cases_to_establish, k_star_fields, k_sweep
+from kvprobe.editor.topk import cases_to_establish, held_out_decisions, k_star_for, k_sweep
 from kvprobe.metrics import summarize_edits, valid_case_ids
 from kvprobe.reports.folder import Run, load_run
 from kvprobe.reports.stats import Stat
@@ -87,7 +87,8 @@ def main_edits(run: Run) -> pd.DataFrame:
     return e.drop_duplicates(["case_id", "strategy"], keep="first")
 
 
-def _strategy_order(run: Run, names) -> list[str]:
+def strategy_order(run: Run, names) -> list[str]:
+    """``names`` in the run's configured order, the others after them alphabetically."""
     cfg = list(run.config.get("strategies") or [])
     return [s for s in cfg if s in set(names)] + sorted(set(names) - set(cfg))
 
@@ -106,7 +107,7 @@ def strategy_rows(run: Run) -> list[dict]:
     ctl = e[control & e["valid"].astype(bool)] if "valid" in e else e[control]
     summ = summarize_edits(dec, by=("strategy",)) if len(dec) else pd.DataFrame()
     rows = []
-    for name in _strategy_order(run, e["strategy"].unique()):
+    for name in strategy_order(run, e["strategy"].unique()):
         r = summ[summ["strategy"] == name] if len(summ) else summ
         g = dec[dec["strategy"] == name]
         c = ctl[ctl["strategy"] == name]
@@ -175,17 +176,13 @@ def where(run: Run) -> dict | None:
     if "top" in found:
         k, top, rand = found["top"]
         out["top_notes"] = {"k": k, "recovery": stat_dict(top), "random_k": stat_dict(rand)}
-        parts.append(f"the top {k} notes {stat_text(stat_dict(top))} (random {k}: {top_text(rand)})")
+        parts.append(f"the top {k} notes {stat_text(stat_dict(top))} (random {k}: {stat_text(stat_dict(rand))})")
     head = {"takes notes": "The decision lives in downstream notes",
             "reads the field": "The decision reads the field itself",
             "mixed": "The decision is mixed (partly the field, partly downstream notes)",
             "inconclusive": "Where the decision lives is inconclusive"}[v]
     out["sentence"] = f"{head}: {'; '.join(parts)} (recovery, 95% CI)."
     return out
-
-
-def top_text(st: Stat) -> str:
-    return stat_text(stat_dict(st))
 
 
 def repair(rows: list[dict], threshold: float) -> dict | None:
@@ -235,19 +232,13 @@ def _controls_text(r: dict) -> str:
 
 
 def k_star(run: Run, threshold: float) -> dict | None:
-    """K* from the folder's held-out K sweep (see :func:`kvprobe.editor.topk.k_star_fields`)."""
+    """K* from the folder's held-out K sweep (see :func:`kvprobe.editor.topk.k_star_for`)."""
     rule = run.ranking_rule
     e = run.table(EDITS)
     if not rule or e.empty or "strategy" not in e:
         return None
-    held = e[e["case_id"].isin(set(rule.get("held_out_cases") or [])) & ~e["control"].astype(bool)]
-    held = held[held["valid"].astype(bool)] if "valid" in held else held
-    if not (rule.get("rule") or {}).get("n_training_cases"):
-        out = {"k_star": None, "k_star_status": "no ranking",
-               "reason": (rule.get("rule") or {}).get("note") or "the causal ranking rule has no training cases"}
-    else:
-        max_down = int(rule.get("max_downstream") or 0)
-        out = k_star_fields(k_sweep(held), threshold, max_down)
+    held = held_out_decisions(e, rule.get("held_out_cases") or [])
+    out = k_star_for(k_sweep(held), rule.get("rule") or {}, threshold, int(rule.get("max_downstream") or 0))
     k = out.get("k_star", out.get("k_candidate"))
     ev = ({"value": out["agreement"], "lo": out["agreement_ci95"][0], "hi": out["agreement_ci95"][1],
            "n": out["n_cases"]} if "agreement" in out else None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from markupsafe import Markup
 
-from kvprobe.reports.figures import (DASHES, MARKERS, PALETTE, finite, legend_below, line, new_figure, share, styled,
+from kvprobe.reports.figures import (DASHES, MARKERS, PALETTE, finite, legend_below, line, new_figure, styled,
                                      to_img)
 from kvprobe.reports.folder import TTFT, Run
 from kvprobe.reports.sections.registry import Section, register
@@ -29,7 +29,8 @@ def build_compose(run: Run) -> dict | None:
             unit = "query_id" if "query_id" in c else None
             out["n_queries"] = int(c[unit].nunique()) if unit else len(c)
             for (rot, s), g in c.groupby(["rerotate", "seam"], sort=True):
-                out["rows"].append({"rerotate": bool(rot), "seam": int(s), "agree": share(g["agree"].astype(float)),
+                out["rows"].append({"rerotate": bool(rot), "seam": int(s),
+                                    "agree": Stat.share(g["agree"].astype(float)),
                                     "cosine": Stat.of(g["cosine"]) if "cosine" in g else None,
                                     "kl": Stat.of(g["kl"]) if "kl" in g else None})
             out["rows"].sort(key=lambda r: (not r["rerotate"], r["seam"]))

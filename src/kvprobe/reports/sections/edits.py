@@ -19,12 +19,8 @@ from kvprobe.reports.folder import Run
 from kvprobe.reports.sections.shared import decision_rows
 from kvprobe.reports.sections.registry import Section, register
 from kvprobe.reports.stats import Stat
+from kvprobe.reports.summary import strategy_order
 from kvprobe.results import EDITS
-
-
-def _strategy_order(run: Run, names) -> list[str]:
-    cfg = list(run.config.get("strategies") or [])
-    return [s for s in cfg if s in set(names)] + sorted(set(names) - set(cfg))
 
 
 # what a strategy that picks its positions (cacheblend) records in the edits table's ``note``
@@ -76,7 +72,7 @@ def build_edits(run: Run) -> dict | None:
     main = valid[main_mask.reindex(valid.index, fill_value=False)]
     # a held-out case's K sweep can repeat a configured strategy (e.g. selective:8:random): count it once
     main = main.drop_duplicates(["case_id", "strategy", "cot"], keep="first")
-    order = _strategy_order(run, main["strategy"].unique())
+    order = strategy_order(run, main["strategy"].unique())
     summ = summarize_edits(main, by=("strategy", "cot")) if len(main) else pd.DataFrame()
     rows = []
     if len(summ):

@@ -13,7 +13,7 @@ from markupsafe import Markup
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from kvprobe.reports.figures import PALETTE, errbar, finite, ink, legend_below, new_figure, share, styled, to_img
+from kvprobe.reports.figures import PALETTE, errbar, finite, ink, legend_below, new_figure, styled, to_img
 from kvprobe.reports.folder import Run
 from kvprobe.reports.sections.shared import decision_rows, guard, guard_note
 from kvprobe.reports.sections.registry import Section, register
@@ -34,7 +34,7 @@ def build_knockout(run: Run) -> dict | None:
     if len(edge):
         per = edge.groupby(["case_id", "cache", "set", "band"], dropna=False)["value"].mean().reset_index()
         for (cache, s, band), g in per.groupby(["cache", "set", "band"], sort=True):
-            out["flips"].append({"cache": cache, "set": s, "band": band, "stat": share(g["value"])})
+            out["flips"].append({"cache": cache, "set": s, "band": band, "stat": Stat.share(g["value"])})
         out["fig"] = _flip_fig(out["flips"])
     hp = k[k["probe"] == "head_patch"]
     single = hp[hp["set"] == "single"] if len(hp) else hp
@@ -64,7 +64,7 @@ def build_knockout(run: Run) -> dict | None:
             kk = sets[sets["set"] == s]["k"]
             if len(a):
                 out["head_sets"].append({"set": s, "k": int(kk.iloc[0]) if len(kk) else None,
-                                         "recovery": Stat.of(r), "agree": share(a)})
+                                         "recovery": Stat.of(r), "agree": Stat.share(a)})
     if not out["flips"] and out["heat"] is None:
         return None
     return out

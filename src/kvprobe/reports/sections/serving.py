@@ -9,12 +9,12 @@ import pandas as pd
 import seaborn as sns
 from markupsafe import Markup
 
-from kvprobe.reports.figures import (DASHES, MARKERS, PALETTE, finite, legend_below, line, new_figure, share, styled,
+from kvprobe.reports.figures import (DASHES, MARKERS, PALETTE, finite, legend_below, line, new_figure, styled,
                                      to_img)
 from kvprobe.reports.folder import Run
 from kvprobe.reports.sections.shared import fmt
 from kvprobe.reports.sections.registry import Section, register
-from kvprobe.reports.stats import nanfloat
+from kvprobe.reports.stats import Stat, nanfloat
 from kvprobe.results import SERVING
 
 SERVING_NEEDS = ("rate", "arm", "ok", "prompt_tokens", "cached_tokens", "ceiling_tokens", "ttft_s", "run_wall_s",
@@ -50,7 +50,7 @@ def build_serving(run: Run) -> dict | None:
                        "usage": float(g["cached_tokens"].fillna(0).sum()) / prompt if prompt and reported
                        else float("nan"),
                        "ceiling": float(g["ceiling_tokens"].sum()) / prompt if prompt else float("nan"),
-                       "agree": share(g["agree"].dropna().astype(float)),
+                       "agree": Stat.share(g["agree"].dropna().astype(float)),
                        "oracle_answers": int(g.loc[g["oracle_answer"] != "?", "oracle_answer"].nunique())
                        if "oracle_answer" in g else 0})
     rows = [{"rate": _rate_text(r.rate), "arm": r.arm, "ok": r.ok, "n": r.n, "metrics": r.hit_rate_metrics,
