@@ -148,4 +148,7 @@ def test_kept_summaries_validate_against_the_schema():
         for run in runs:
             jsonschema.validate(run, schema())
             n_runs += 1
+            k = run["k_star"]
+            if k and k["status"] == "not established":  # the candidate K is named, as its reason says
+                assert k["k"] is not None and k["reason"].startswith(f"K={k['k']}"), k
     assert n_runs >= 6  # three summary.json files and the three runs of the comparison

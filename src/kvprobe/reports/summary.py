@@ -239,7 +239,7 @@ def k_star(run: Run, threshold: float) -> dict | None:
         return None
     held = held_out_decisions(e, rule.get("held_out_cases") or [])
     out = k_star_for(k_sweep(held), rule.get("rule") or {}, threshold, int(rule.get("max_downstream") or 0))
-    k = out.get("k_star", out.get("k_candidate"))
+    k = out["k_star"] if out["k_star"] is not None else out.get("k_candidate")
     ev = ({"value": out["agreement"], "lo": out["agreement_ci95"][0], "hi": out["agreement_ci95"][1],
            "n": out["n_cases"]} if "agreement" in out else None)
     res = {"status": out["k_star_status"], "k_star": out["k_star"], "k": k, "agreement": ev,
