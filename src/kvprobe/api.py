@@ -37,20 +37,26 @@ from kvprobe.models.load import LoadedModel, load_model, wrap_model
 
 
 def load(model, tokenizer=None, *, dtype: str | None = None, device: str | None = None,
-         attn: str = "eager") -> LoadedModel:
+         device_map: str | None = None, attn: str = "eager") -> LoadedModel:
     """A model ready for kvprobe, from any of:
 
     - a spec string (a bundled alias, ``toy-<family>``, a ``.gguf`` path, a local folder, a hub id);
-      ``dtype`` defaults to float32 and ``device`` to cpu, ``attn`` is the attention implementation;
+      ``dtype`` defaults to float32 and ``device`` to cpu, ``device_map`` ("auto", ...) lets
+      accelerate place it instead, ``attn`` is the attention implementation;
     - a transformers ``PreTrainedModel`` of a supported family plus its ``tokenizer``; ``dtype``
       and ``device`` None keep the model's own (``attn`` is the model's own);
     - an nnsight ``LanguageModel`` (the model it wraps, and its tokenizer unless one is given);
     - a :class:`~kvprobe.models.LoadedModel` (returned as it is).
+
+    ``device_map`` applies to a spec string only: a model already loaded keeps its own placement.
     """
     if isinstance(model, LoadedModel):
         return model
     if isinstance(model, str):
-        return load_model(model, dtype or "float32", device or "cpu", attn=attn)
+        return load_model(model, dtype or "float32", device or "cpu", attn=attn, device_map=device_map)
+    if device_map is not None:
+        raise UsageError("device_map applies to a model spec string; place a model you load yourself with "
+                         "from_pretrained(..., device_map=...)")
     if type(model).__module__.startswith("nnsight"):
         inner = getattr(model, "_module", None)
         return wrap_model(inner, tokenizer or getattr(model, "tokenizer", None), dtype, device)

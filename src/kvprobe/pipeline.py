@@ -80,8 +80,9 @@ class RunConfig(BaseModel):
     erratum_template: str = ERRATUM  # what an erratum strategy without its own template uses
     compose: int = Field(0, ge=0)  # composition-gate queries (kvprobe validate's table); 0 = skip
     compose_seams: list[int] = [0, 1, 4]
-    dtype: str = "float32"
-    device: str = "cpu"
+    dtype: str = "float32"  # float32 (exact tables), bfloat16 or float16
+    device: str = "cpu"  # cpu, cuda, cuda:N
+    device_map: str | None = None  # "auto": spread a model larger than one device (accelerate); overrides device
 
     @field_validator("probes")
     @classmethod
@@ -296,7 +297,8 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None, cases: list | N
 
     cases = cases if cases is not None else load_cases(cfg)
     require_answers(cases, "kvprobe run")
-    lm = lm or stages.run("load", lambda: load_model(cfg.model, dtype=cfg.dtype, device=cfg.device))
+    lm = lm or stages.run("load", lambda: load_model(cfg.model, dtype=cfg.dtype, device=cfg.device,
+                                                     device_map=cfg.device_map))
     sel = prepare(cfg, lm, cases)
     out.mkdir(parents=True, exist_ok=True)
     claim_folder(out, RUN_CLAIM, cfg.model_dump(), settle=settled)

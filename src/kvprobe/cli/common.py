@@ -88,16 +88,16 @@ def say(spec: str, msg: str) -> None:
 
 
 def load_with_status(spec: str, dtype: str = "float32", device: str = "cpu", attn: str = "eager",
-                     allow_failed_toy: bool = False):
+                     allow_failed_toy: bool = False, device_map: str | None = None):
     """load_model with a live status line, and a plain line for each slow step (fetching, dequantising)."""
     from kvprobe.models import load_model
 
+    kwargs = {"dtype": dtype, "device": device, "attn": attn, "allow_failed_toy": allow_failed_toy,
+              "device_map": device_map, "progress": lambda msg: say(spec, msg)}
     if not err_console.is_terminal:  # a log: no live line; the slow steps say themselves
-        return load_model(spec, dtype=dtype, device=device, attn=attn, allow_failed_toy=allow_failed_toy,
-                          progress=lambda msg: say(spec, msg))
+        return load_model(spec, **kwargs)
     with err_console.status(f"loading {spec}"):
-        return load_model(spec, dtype=dtype, device=device, attn=attn, allow_failed_toy=allow_failed_toy,
-                          progress=lambda msg: say(spec, msg))
+        return load_model(spec, **kwargs)
 
 
 def usable_out(out: Path, option: str = "--out") -> Path:

@@ -91,7 +91,8 @@ def generate_cmd(out: Path = typer.Option(..., help="JSONL file to write"), n: i
 def check(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "default", n: opt.N = opt.DEFAULTS["n"],
           seed: opt.Seed = 0, form: opt.Form = opt.DEFAULTS["form"], few_shot: opt.FewShot = 0,
           out: Path | None = typer.Option(None, help="also write the per-case table (parquet)"),
-          per_case: bool = typer.Option(True, help="print the per-case table")) -> None:
+          per_case: bool = typer.Option(True, help="print the per-case table"),
+          dtype: opt.Dtype = "float32", device: opt.Device = "cpu", device_map: opt.DeviceMap = "none") -> None:
     """Prefill every case with both values: accuracy, paired flip rate, logit shift, validity."""
     from kvprobe.datasets import require_answers, resolve_dataset
     from kvprobe.probes.field_following import check_cases, summarize
@@ -101,7 +102,7 @@ def check(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "defa
     kwargs = {"few_shot": few_shot} if dataset in (None, "default") else {}
     cases = resolve_dataset(dataset, n=n, seed=seed, **kwargs)
     require_answers(cases, "kvprobe datasets check")
-    lm = load_with_status(model)
+    lm = load_with_status(model, dtype, device, device_map=device_map)
     with progress_bar() as bar:
         task = bar.add_task(f"checking {len(cases)} cases on {model}", total=len(cases))
         df, skipped = check_cases(lm, cases, form=form, on_case=lambda i: bar.advance(task))

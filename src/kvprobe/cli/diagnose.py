@@ -90,6 +90,7 @@ def diagnose(prompt: Prompt, model: opt.Model = opt.DEFAULTS["model"],
                                                     "and selective:K:causal use it"),
              form: opt.Form = opt.DEFAULTS["form"],
              as_json: bool = typer.Option(False, "--json", help="print one JSON object (rows, recommendation)"),
+             dtype: opt.Dtype = "float32", device: opt.Device = "cpu", device_map: opt.DeviceMap = "none",
              allow_failed_toy: opt.AllowFailedToy = False) -> None:
     """Diagnose one edit on your prompt: every strategy and auto against the oracle (agreement,
     margin, recomputed share, time to the decision) and the recommendation."""
@@ -115,7 +116,7 @@ def diagnose(prompt: Prompt, model: opt.Model = opt.DEFAULTS["model"],
 
     for s in specs:
         parse_strategy(s)  # a bad spec fails before the model loads
-    lm = load_with_status(model, allow_failed_toy=allow_failed_toy)
+    lm = load_with_status(model, dtype, device, allow_failed_toy=allow_failed_toy, device_map=device_map)
     loaded = None
     if policy is not None:
         from kvprobe import policy as policies

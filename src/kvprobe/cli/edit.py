@@ -18,6 +18,7 @@ def edit(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "defau
          cot: opt.Cot = "0", form: opt.Form = opt.DEFAULTS["form"], few_shot: opt.FewShot = 0,
          min_flip: opt.MinFlip = opt.DEFAULTS["min_flip"],
          all_cases: bool = typer.Option(False, "--all-cases", help="summarise invalid cases too"),
+         dtype: opt.Dtype = "float32", device: opt.Device = "cpu", device_map: opt.DeviceMap = "none",
          allow_failed_toy: opt.AllowFailedToy = False,
          out: opt.Out = None) -> None:
     """Run edit strategies on a model and dataset; writes edits.parquet and prints the summary.
@@ -34,18 +35,20 @@ def edit(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "defau
 
     try:
         cfg = RunConfig(model=model, dataset=dataset, strategies=opt.parse_csv(strategies), n=n, seed=seed, cot=opt.parse_ints(cot, "--cot"), form=form, few_shot=few_shot,
-                        min_flip=min_flip, probes=[])
+                        min_flip=min_flip, probes=[], dtype=dtype, device=device, device_map=device_map)
     except ValidationError as exc:
         raise UsageError.from_validation(exc, "edit") from None
     out = usable_out(out or opt.default_out("edit", model))
     settings = {"command": "edit", "model": model, "dataset": dataset, "n": cfg.n, "seed": seed,
                 "strategies": cfg.strategies, "cot": cfg.cot, "form": form, "few_shot": few_shot, "min_flip": min_flip}
+    if dtype != "float32":  # a claim key only off the default, so folders written before --dtype still resume
+        settings["dtype"] = dtype
     held = "kvprobe edit with other settings"
     check_claim(out, EDIT_CLAIM, settings, held=held)  # fail before loading; claimed once every input is valid
     cases = load_cases(cfg)
     check_case_ids(c.case_id for c in cases)
     require_answers(cases, "kvprobe edit")
-    lm = load_with_status(model, allow_failed_toy=allow_failed_toy)
+    lm = load_with_status(model, dtype, device, allow_failed_toy=allow_failed_toy, device_map=device_map)
     aligned, _ = align_all(lm, cases, cfg.form)
     check_cases(lm, aligned, cfg.edit_strategies(), cfg.cot, cfg.form)
     claim_folder(out, EDIT_CLAIM, settings, held=held)
@@ -56,7 +59,7 @@ def edit(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "defau
         df, skipped = run_edits(lm, cases, cfg.strategies, cfg.cot, form, min_flip, model_name=model, store=store,
                                 on_case=lambda: bar.advance(task))
     path = store.collect()
-    atomic_write_json({**settings, "model": lm.fingerprint(),
+    atomic_write_json({**settings, "model": lm.fingerprint(), "model_info": lm.info.as_dict(),
                        "skipped": [{"case_id": s.case_id, "reason": s.reason} for s in skipped]},
                       out / "edit_manifest.json")
     n_valid = print_summary(df, all_cases, model, min_flip)

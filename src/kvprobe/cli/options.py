@@ -42,6 +42,54 @@ MinFlip = Annotated[float, typer.Option(min=0.0, help="recovery ratios (and the 
 Strategies = Annotated[str, typer.Option(show_default=False, help=(
     f"comma-separated edit strategy specs (default: {', '.join(DEFAULT_STRATEGIES)}); grammar: {STRATEGY_GRAMMAR}; "
     f"`kvprobe strategies` lists every registered one"))]
+# load_model's accepted values (kvprobe.models.load.DTYPES and DEVICE_MAPS; tests/models/test_devices.py
+# checks they agree), here so that checking a flag imports no torch.
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICE_MAPS = ("none", "auto", "balanced", "balanced_low_0", "sequential")
+
+
+def _dtype(value: str) -> str:
+    from kvprobe.errors import UsageError
+
+    if value not in DTYPES:
+        raise UsageError(f"unknown --dtype {value!r}; accepted: {', '.join(DTYPES)}")
+    return value
+
+
+def _device(value: str) -> str:
+    if value != "cpu":  # only then is torch asked what is here
+        from kvprobe.errors import UsageError
+        from kvprobe.models.load import check_device
+
+        try:
+            check_device(value)
+        except UsageError as exc:
+            raise UsageError(f"--{exc}") from None
+    return value
+
+
+def _device_map(value: str | None) -> str | None:
+    from kvprobe.errors import UsageError
+
+    if value is not None and value not in DEVICE_MAPS:
+        raise UsageError(f"unknown --device-map {value!r}; accepted: {', '.join(DEVICE_MAPS)}")
+    return None if value in (None, "none") else value
+
+
+def check_placement(dtype: str, device: str, device_map: str | None) -> None:
+    """The checks of --dtype, --device and --device-map on values from a config file (before any work)."""
+    _dtype(dtype)
+    _device(device)
+    _device_map(device_map)
+
+
+Dtype = Annotated[str, typer.Option(callback=_dtype, help=f"precision the model is loaded and run in: "
+                                                          f"{', '.join(DTYPES)} (float32 keeps the tables exact)")]
+Device = Annotated[str, typer.Option(callback=_device, help="where the model runs: cpu, cuda or cuda:N (ignored with "
+                                                            "--device-map)")]
+DeviceMap = Annotated[str, typer.Option(callback=_device_map, help=f"spread the model over the devices here with "
+                                                                   f"accelerate: {', '.join(DEVICE_MAPS)} (none: all "
+                                                                   f"on --device)")]
 AllowFailedToy = Annotated[bool, typer.Option("--allow-failed-toy", help="load a toy folder even though its "
                                                                           "manifest records a failed held-out check")]
 

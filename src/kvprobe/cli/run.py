@@ -32,6 +32,7 @@ def run(ctx: typer.Context,
                                                       "override it"),
         out: Path | None = opt.out_option("default results/<model>"),
         report: bool = typer.Option(True, help="write report.html at the end"),
+        dtype: opt.Dtype = "float32", device: opt.Device = "cpu", device_map: opt.DeviceMap = "none",
         allow_failed_toy: opt.AllowFailedToy = False) -> None:
     """Validity, the four probes, every edit strategy and the top-K export, into one results folder.
 
@@ -46,22 +47,26 @@ def run(ctx: typer.Context,
     from kvprobe.results import RUN_CLAIM, check_case_ids, check_claim
 
     given = {name for name in ("model", "dataset", "n", "seed", "form", "few_shot", "probes", "strategies", "cot",
-                               "min_flip", "valid_only", "max_controls", "compose")
+                               "min_flip", "valid_only", "max_controls", "compose", "dtype", "device",
+                               "device_map")
              if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)}
     values = {"model": model, "dataset": dataset, "n": n, "seed": seed, "form": form, "few_shot": few_shot,
               "probes": opt.parse_csv(probes), "strategies": opt.parse_csv(strategies), "cot": opt.parse_ints(cot, "--cot"),
-              "min_flip": min_flip, "valid_only": valid_only, "max_controls": max_controls, "compose": compose}
+              "min_flip": min_flip, "valid_only": valid_only, "max_controls": max_controls, "compose": compose,
+              "dtype": dtype, "device": device, "device_map": device_map}
     overrides = {k: v for k, v in values.items() if k in given}  # the rest: the config file's, or RunConfig's
     try:
         cfg = RunConfig.from_yaml(config, **overrides) if config else RunConfig(**overrides)
     except ValidationError as exc:
         raise UsageError.from_validation(exc, "run") from None
+    opt.check_placement(cfg.dtype, cfg.device, cfg.device_map)  # a config file's values too, before any work
     out = usable_out(out or Path("results") / opt.folder_name(cfg.model))
     check_claim(out, RUN_CLAIM, cfg.model_dump(), settle=settled)  # fail before loading; claimed once all is valid
     cases = load_cases(cfg)
     check_case_ids(c.case_id for c in cases)
     require_answers(cases, "kvprobe run")
-    lm = load_with_status(cfg.model, cfg.dtype, cfg.device, allow_failed_toy=allow_failed_toy)
+    lm = load_with_status(cfg.model, cfg.dtype, cfg.device, allow_failed_toy=allow_failed_toy,
+                          device_map=cfg.device_map)
     with progress_bar() as bar:
         tasks = {}
 

@@ -37,6 +37,7 @@ def sweep(model: opt.Model = opt.DEFAULTS["model"],
                                         "strategies too, instead of reading them off the shared patch reads"),
           out: opt.Out = None,
           report: bool = typer.Option(True, help="write report.html at the end"),
+          dtype: opt.Dtype = "float32", device: opt.Device = "cpu", device_map: opt.DeviceMap = "none",
           allow_failed_toy: opt.AllowFailedToy = False) -> None:
     """Where does the model keep its conclusions, per prompt layout and distance?
 
@@ -56,12 +57,15 @@ def sweep(model: opt.Model = opt.DEFAULTS["model"],
                           filler_tokens=opt.parse_ints(filler_tokens, "--filler-tokens"),
                           field_styles=opt.parse_csv(field_styles), rule_styles=opt.parse_csv(rule_styles), n=n,
                           valid=valid, controls=controls, seed=seed, form=form,
-                          strategies=opt.parse_csv(strategies), min_flip=min_flip, time_all=time_all)
+                          strategies=opt.parse_csv(strategies), min_flip=min_flip, time_all=time_all, dtype=dtype,
+                          device=device)
     except ValidationError as exc:
         raise UsageError.from_validation(exc, "sweep") from None
     out = usable_out(out or opt.default_out("sweep", model))
     check_claim(out, SWEEP_CLAIM, cfg.settings(), held="sweep with other settings")  # before loading the model
-    lm = load_with_status(model, cfg.dtype, cfg.device, allow_failed_toy=allow_failed_toy)
+    # device_map is not a SweepConfig key: placement does not change a sweep's settings, the manifest's
+    # model_info records it
+    lm = load_with_status(model, cfg.dtype, cfg.device, allow_failed_toy=allow_failed_toy, device_map=device_map)
     with progress_bar() as bar:
         def progress(cell: str, total: int):
             task = bar.add_task(f"{cell} (valid cases)" if cfg.valid else cell, total=total)

@@ -105,6 +105,7 @@ def evaluate(family: str = typer.Option(None, help=FAMILY_HELP + " (the shipped 
              folder: Path = typer.Option(None, help="a toy folder made by `kvprobe toy train`, instead of --family"),
              n: int = typer.Option(400, min=10, help="held-out cases (a quarter are negative controls)"),
              seed: int = typer.Option(None, help="held-out seed (default: the toy evaluation seed)"),
+             dtype: opt.Dtype = "float32",
              allow_failed_toy: opt.AllowFailedToy = False) -> None:
     """Evaluate a toy (the shipped toy-<family>, or --folder) on fresh held-out cases."""
     from kvprobe.models.toy_folder import toy_family
@@ -113,7 +114,8 @@ def evaluate(family: str = typer.Option(None, help=FAMILY_HELP + " (the shipped 
     if (family is None) == (folder is None):
         raise UsageError("give exactly one of --family (the shipped toy) and --folder (a retrained toy)")
     spec = f"toy-{toy_family(family)}" if family else str(folder)
-    lm = load_with_status(spec, allow_failed_toy=allow_failed_toy)
+    # --dtype only: the held-out batches (kvprobe.toys.evaluate) are built on cpu, where a toy runs
+    lm = load_with_status(spec, dtype, allow_failed_toy=allow_failed_toy)
     seed = EVAL_SEED if seed is None else seed
     with err_console.status(f"evaluating {spec} on {n} held-out cases"):
         metrics = evaluate_toy(lm, seed=seed, n=n, n_unseen=max(20, n // 4))

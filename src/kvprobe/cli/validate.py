@@ -32,6 +32,7 @@ def validate(model: opt.Model = opt.DEFAULTS["model"], n: int = typer.Option(50,
              form: opt.Form = opt.DEFAULTS["form"],
              attn: str = typer.Option("eager", help="attention implementation: eager or sdpa"),
              store: bool = typer.Option(True, help="save every block to <out>/blocks and compose from the files"),
+             dtype: opt.Dtype = "float32", device: opt.Device = "cpu", device_map: opt.DeviceMap = "none",
              allow_failed_toy: opt.AllowFailedToy = False,
              out: opt.Out = None) -> None:
     """Composed caches against full recompute: agreement, cosine and KL for every seam width.
@@ -55,8 +56,10 @@ def validate(model: opt.Model = opt.DEFAULTS["model"], n: int = typer.Option(50,
     # what the per-query parts depend on; a rerun into the same --out resumes only if it matches
     config = {"model": model, "n": n, "seed": seed, "seams": seam_list, "block_tokens": bt, "n_blocks": nb,
               "form": form, "attn": attn, "store": store}
+    if dtype != "float32":  # a claim key only off the default, so folders written before --dtype still resume
+        config["dtype"] = dtype
     check_claim(out, VALIDATE_CLAIM, config, held="validate run with other settings")  # before loading
-    lm = load_with_status(model, attn=attn, allow_failed_toy=allow_failed_toy)
+    lm = load_with_status(model, dtype, device, attn=attn, allow_failed_toy=allow_failed_toy, device_map=device_map)
     check_composable(lm)
     claim_folder(out, VALIDATE_CLAIM, config, held="validate run with other settings")
     start = time.perf_counter()

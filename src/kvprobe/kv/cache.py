@@ -139,10 +139,15 @@ def forward(model, input_ids: torch.Tensor, cache: DynamicCache | None = None,
 
     ``positions`` (B, T) or (T,) are the RoPE positions of the new tokens; by default they
     continue the cache (``seq_len(cache) + arange(T)``). Masking follows cache *indices*, so a
-    gap in positions (a composed context) is allowed.
+    gap in positions (a composed context) is allowed. The ids and positions go to the model's input
+    device (``model.device``: the first device of a model spread by a device map; a no-op on cpu).
     """
     if cache is None:
         cache = new_cache()
+    device = getattr(model, "device", input_ids.device)
+    input_ids = input_ids.to(device)
+    if positions is not None:
+        positions = positions.to(device)
     if input_ids.ndim == 1:
         input_ids = input_ids[None]
     if positions is None:
@@ -189,9 +194,13 @@ def masked_forward(lm, input_ids: torch.Tensor, cache: DynamicCache, positions: 
     input_ids, positions: (B, S); key_positions: (B, N) or (N,) RoPE positions of the cache
     entries (default: their indices); visible: (B, S, N) bool, which cache entries each new token
     may attend to (default: all, subject to causality by position). The new tokens' K/V are
-    appended to ``cache`` in place, at indices N..N+S-1.
+    appended to ``cache`` in place, at indices N..N+S-1. The tensors go to the model's input device
+    (``lm.model.device``; a no-op on cpu).
     """
-
+    device = lm.model.device
+    input_ids, positions = input_ids.to(device), positions.to(device)
+    key_positions = key_positions.to(device) if key_positions is not None else None
+    visible = visible.to(device) if visible is not None else None
     if input_ids.ndim == 1:
         input_ids = input_ids[None]
     B, S = input_ids.shape

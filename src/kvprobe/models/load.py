@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import struct
 from dataclasses import dataclass, field
@@ -30,6 +31,31 @@ from kvprobe.models.toy_folder import load_toy, load_toy_folder, toy_families
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ROPE_TOL = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}  # self-check tolerance at shift 37
+# The device_map strings transformers' from_pretrained (through accelerate) accepts; None places the
+# whole model on ``device``.
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def check_device(device: str) -> None:
+    """Refuse, in one line, a device that is not here: cpu always; cuda and cuda:N (N below the GPU
+    count) where CUDA is available; nothing else (mps, xpu, ... are not supported)."""
+    if device == "cpu":
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    match = re.fullmatch(r"cuda(?::(\d+))?", device)
+    if match and count and (match.group(1) is None or int(match.group(1)) < count):
+        return
+    accepted = "cpu" + (f", cuda, cuda:0 .. cuda:{count - 1}" if count > 1 else ", cuda, cuda:0" if count else "")
+    raise UsageError(f"device {device!r} is not available here; accepted: {accepted}")
+
+
+def check_device_map(device_map: str | None) -> str | None:
+    """``device_map`` as load_model takes it ("none" is None); a one-line UsageError for another value."""
+    if device_map is None or device_map == "none":
+        return None
+    if device_map not in DEVICE_MAPS:
+        raise UsageError(f"unknown device_map {device_map!r}; accepted: none, {', '.join(DEVICE_MAPS)}")
+    return device_map
 
 
 @dataclass
@@ -43,6 +69,7 @@ class ModelInfo:
     device: str
     n_params: int
     note: str = ""
+    device_map: str | None = None  # "auto", ...: placed by accelerate (``device`` lists where it landed)
     rope_check_error: float | None = None  # max |re-rotated - recomputed| key error at load
     rope_unsupported: str | None = None  # why this model's keys cannot be re-rotated, if so
     _weights_hash: str | None = field(default=None, repr=False)
@@ -95,20 +122,50 @@ class LoadedModel:
                 "weights_hash": self.weights_hash(), "tokenizer_hash": tok_hash}
 
 
-def _finish(model, tokenizer, spec: str, source: str, dtype: str | None, device: str | None, note: str = ""
-            ) -> LoadedModel:
+def _dispatch(model, device_map: str):
+    """Place an in-process model (tiny, toy, or one the caller built) as ``from_pretrained(device_map=...)``
+    would: accelerate's inferred map over the devices here (all on cpu where there is no GPU)."""
+    from accelerate import dispatch_model, infer_auto_device_map
+    from accelerate.utils import get_balanced_memory, get_max_memory
+
+    no_split = getattr(model, "_no_split_modules", None) or []
+    if device_map == "sequential":
+        max_memory = get_max_memory()
+    else:
+        max_memory = get_balanced_memory(model, no_split_module_classes=no_split,
+                                         low_zero=device_map == "balanced_low_0")
+    placed = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split)
+    return dispatch_model(model, placed)
+
+
+def _devices(model) -> str:
+    """Where a model's parameters are, comma-separated in order of first use ("cpu", "cuda:0,cuda:1")."""
+    return ",".join(dict.fromkeys(str(p.device) for p in model.parameters()))
+
+
+def _finish(model, tokenizer, spec: str, source: str, dtype: str | None, device: str | None, note: str = "",
+            device_map: str | None = None, placed: bool = False) -> LoadedModel:
     """Wrap a Hugging Face model: its family adapter, ``dtype``/``device`` applied (None keeps the
-    model's own), eval mode, and the RoPE re-rotation self-check."""
+    model's own), eval mode, and the RoPE re-rotation self-check.
+
+    A model loaded by ``from_pretrained`` arrives in ``dtype`` already (no cast, no float32 copy)
+    and, with a ``device_map``, placed by accelerate (``placed``: no ``.to(device)`` after). An in-process model
+    (tiny, toy, one the caller built) is cast here, and with a ``device_map`` dispatched by accelerate.
+    """
     adapter = Adapter.for_config(model.config)
-    if dtype is not None or device is not None:
-        model = model.to(device=device, dtype=DTYPES[dtype] if dtype else None)
+    if dtype is not None and model.dtype != DTYPES[dtype]:
+        model = model.to(dtype=DTYPES[dtype])  # in-process models (small); a GGUF transformers did not cast
+    if device_map is not None and not placed:
+        model = _dispatch(model, device_map)
+    elif device_map is None and device is not None:
+        model = model.to(device=device)
     model = model.eval()
     dtype = dtype or next((name for name, t in DTYPES.items() if t == model.dtype), None)
     if dtype is None:
         raise UsageError(f"the model's dtype {model.dtype} is not supported; accepted: {', '.join(DTYPES)}")
-    device = device or str(next(model.parameters()).device)
+    device = _devices(model) if device_map is not None else device or str(next(model.parameters()).device)
     n_params = sum(p.numel() for p in model.parameters())
-    info = ModelInfo(spec, adapter.family.family, source, dtype, device, n_params, note)
+    info = ModelInfo(spec, adapter.family.family, source, dtype, device, n_params, note, device_map)
     # The re-rotation gate: re-rotated keys must equal keys computed at the new position. A model
     # whose RoPE we cannot re-rotate still loads (probing needs no re-rotation); composing refuses.
     try:
@@ -123,18 +180,27 @@ LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, SafetensorError, str
 
 
 def _from_folder(path: Path | str, gguf_file: str | None = None, model_class: str | None = None,
-                 attn: str = "eager", local_files_only: bool = False):
+                 attn: str = "eager", local_files_only: bool = False, dtype: str = "float32",
+                 device_map: str | None = None):
+    """(model, tokenizer) by ``from_pretrained``, loaded directly in ``dtype`` (a float32 checkpoint
+    read as bfloat16 never holds a float32 copy) and, with ``device_map``, placed by accelerate.
+
+    A GGUF dequantises in transformers: given ``dtype``, it dequantises straight into it (checked
+    with transformers 5.24 on a small GGUF: bfloat16 asked, bfloat16 parameters; ``_finish`` casts
+    any model that still arrives in another dtype)."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
     if local_files_only:
         kwargs["local_files_only"] = True
+    if device_map is not None:
+        kwargs["device_map"] = device_map
     with quiet_hf():
-        tok = AutoTokenizer.from_pretrained(path, **kwargs)
+        tok = AutoTokenizer.from_pretrained(path, **{k: v for k, v in kwargs.items() if k != "device_map"})
         cls = getattr(transformers, model_class) if model_class else AutoModelForCausalLM
-        model = cls.from_pretrained(path, dtype=torch.float32, attn_implementation=attn, **kwargs)
-    if gguf_file:  # dequantised already; drop the quantiser so the model behaves as plain fp32
+        model = cls.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn, **kwargs)
+    if gguf_file:  # dequantised already; drop the quantiser so the model behaves as a plain model
         model.hf_quantizer = None
     return model, tok
 
@@ -226,10 +292,11 @@ def _hub_unreachable() -> str | None:
     return None
 
 
-def _from_hub(spec: str, attn: str):
-    """A hub id: the Hugging Face cache first (no network), then a download when the hub answers."""
+def _from_hub(spec: str, attn: str, **kwargs):
+    """A hub id: the Hugging Face cache first (no network), then a download when the hub answers;
+    ``kwargs`` (dtype, device_map) go to :func:`_from_folder`."""
     try:
-        return _from_folder(spec, attn=attn, local_files_only=True)
+        return _from_folder(spec, attn=attn, local_files_only=True, **kwargs)
     except OSError:
         pass  # not cached (or only partly): fetch it
     except LOAD_ERRORS as exc:
@@ -240,7 +307,7 @@ def _from_hub(spec: str, attn: str):
                                  f"reached ({reason}); download it where there is a network, or give a local "
                                  f"folder, a .gguf file, a bundled alias, tiny-<family> or toy-<family>")
     try:
-        return _from_folder(spec, attn=attn)
+        return _from_folder(spec, attn=attn, **kwargs)
     except OSError as exc:
         raise EnvironmentProblem(f"could not load hub model {spec!r}: {first_line(exc)}") from None
     except LOAD_ERRORS as exc:
@@ -248,9 +315,13 @@ def _from_hub(spec: str, attn: str):
 
 
 def load_model(spec: str, dtype: str = "float32", device: str = "cpu", progress=lambda s: None,
-               attn: str = "eager", allow_failed_toy: bool = False) -> LoadedModel:
+               attn: str = "eager", allow_failed_toy: bool = False, device_map: str | None = None) -> LoadedModel:
     """Load a model spec (see module docstring). Raises :class:`KvprobeError` with the accepted forms.
 
+    ``dtype`` is float32 (default), bfloat16 or float16: a checkpoint is read directly in it, a
+    tiny or toy model (built here) is cast. ``device`` is cpu, cuda or cuda:N. ``device_map``
+    ("auto", "balanced", "balanced_low_0", "sequential"; None or "none": off) lets accelerate spread
+    the model over the devices here (all on cpu without a GPU) and takes the place of ``device``.
     ``attn`` is the attention implementation: "eager" (default; probes read attention weights and
     every path computes identically) or "sdpa" (faster on long contexts, used by benchmarks).
     A toy folder whose manifest records a held-out failure is refused unless ``allow_failed_toy``.
@@ -259,23 +330,25 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu", progress=
         raise UsageError(f"unknown attention implementation {attn!r}; accepted: eager, sdpa")
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r}; accepted: {', '.join(DTYPES)}")
-    if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
-        raise UsageError(f"device {device!r} is not available here; accepted: cpu" +
-                         (", cuda" if torch.cuda.is_available() else ""))
+    check_device(device)
+    device_map = check_device_map(device_map)
+    hf = {"dtype": dtype, "device_map": device_map}  # what from_pretrained applies as it loads
+    done = {"dtype": dtype, "device": device, "device_map": device_map}  # what _finish applies or records
+    loaded = {**done, "placed": True}  # from_pretrained applied dtype and device_map already
     if spec in tiny_names():
         model, tok = build_tiny(spec)
-        return _finish(model, tok, spec, "tiny", dtype, device, "random weights: for mechanics only")
+        return _finish(model, tok, spec, "tiny", note="random weights: for mechanics only", **done)
     # toy-<family> is the shipped toy; another toy-... name that is a folder here is a folder (a toy
     # trained with `kvprobe toy train --out toy-mine`, given by its relative path)
     if spec.startswith("toy-") and (spec[4:] in toy_families() or not Path(spec).expanduser().is_dir()):
         model, tok, note = load_toy(spec, allow_failed=allow_failed_toy)
-        return _finish(model, tok, spec, "toy", dtype, device, note)
+        return _finish(model, tok, spec, "toy", note=note, **done)
     if spec in bundled.BUNDLED:
         b = bundled.BUNDLED[spec]
         folder = bundled.fetch(spec, progress)
         model, tok = _load_local(folder, f"the cached {spec} at {folder}", f"; delete that folder and run "
-                                 f"`kvprobe models fetch {spec}` again", attn=attn)
-        return _finish(model, tok, spec, "bundled", dtype, device, b.note)
+                                 f"`kvprobe models fetch {spec}` again", attn=attn, **hf)
+        return _finish(model, tok, spec, "bundled", note=b.note, **loaded)
     path = Path(spec).expanduser()
     if spec.endswith(".gguf"):
         if not path.is_file():
@@ -283,22 +356,22 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu", progress=
         check_gguf(path)
         model, tok = _load_local(path.parent, f"the GGUF file {path}", "; kvprobe reads GGUF files transformers "
                                  "can dequantise (llama, qwen2, gemma3, ... with their tokenizer)",
-                                 gguf_file=path.name, attn=attn)
-        return _finish(model, tok, spec, "gguf", dtype, device)
+                                 gguf_file=path.name, attn=attn, **hf)
+        return _finish(model, tok, spec, "gguf", **loaded)
     if path.is_dir() and (path / "toy_manifest.json").exists():  # a toy made by `kvprobe toy train`
 
         model, tok, note = load_toy_folder(path, allow_failed=allow_failed_toy)
-        return _finish(model, tok, spec, "toy", dtype, device, note)
+        return _finish(model, tok, spec, "toy", note=note, **done)
     if path.is_dir():
         check_hf_folder(path)
-        model, tok = _load_local(path, f"the model folder {path}", attn=attn)
-        return _finish(model, tok, spec, "folder", dtype, device)
+        model, tok = _load_local(path, f"the model folder {path}", attn=attn, **hf)
+        return _finish(model, tok, spec, "folder", **loaded)
     looks_like_id = spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
     if not looks_like_id:
         raise UsageError(f"unknown model {spec!r}; accepted: a bundled alias ({', '.join(bundled.BUNDLED)}), "
                          f"tiny-<family>, toy-<family>, a .gguf path, a local HF folder, or a hub id org/name")
-    model, tok = _from_hub(spec, attn)
-    return _finish(model, tok, spec, "hub", dtype, device)
+    model, tok = _from_hub(spec, attn, **hf)
+    return _finish(model, tok, spec, "hub", **loaded)
 
 
 def wrap_model(model, tokenizer, dtype: str | None = None, device: str | None = None) -> LoadedModel:
