@@ -39,6 +39,7 @@ from kvprobe.editor.topk import export_topk, kinds_of_top
 from kvprobe.errors import CheckFailed, KvprobeError
 from kvprobe.models import load_model
 from kvprobe.probes import STAGES, Inputs, in_order
+from kvprobe.probes.engine import PairMemo
 from kvprobe.probes.field_following import check_case, summarize
 from kvprobe.results import (
     COMPOSE,
@@ -236,20 +237,23 @@ def _per_case(store: CaseStore, items, fn, tick) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
-def run_probes(cfg: RunConfig, lm, valid: list, out: Path, stages: Stages) -> dict[str, pd.DataFrame]:
+def run_probes(cfg: RunConfig, lm, valid: list, out: Path, stages: Stages, pairs: PairMemo | None = None
+               ) -> dict[str, pd.DataFrame]:
     """Every registered probe the config names, in dependency order, into ``out``; their tables by name.
 
     A per-case probe keeps each finished case under ``parts/<name>/`` (an interrupted run resumes
-    there); a probe across cases is not rerun once its table exists.
+    there); a probe across cases is not rerun once its table exists. ``pairs`` holds each case's
+    caches, built once and handed to every probe.
     """
+    pairs = pairs or PairMemo(lm)
     tables: dict[str, pd.DataFrame] = {}
     for stage in in_order(cfg.probes):
-        probe = stage.build(Inputs(cfg.seed, cfg.model, tables))
+        probe = stage.build(Inputs(cfg.seed, cfg.model, tables, pairs))
         if stage.per_case:
             tick = stages.progress(stage.name, len(valid))
             table = stages.run(stage.name, lambda: _per_case(
-                CaseStore(out, stage.name), [(a.case.case_id, a) for a in valid], lambda a: probe.run_case(lm, a),
-                tick))
+                CaseStore(out, stage.name), [(a.case.case_id, a) for a in valid],
+                lambda a: probe.run_case(lm, a, pairs.get(a)), tick))
         elif (out / stage.table).exists():
             table = pd.read_parquet(out / stage.table)
         else:
@@ -257,6 +261,8 @@ def run_probes(cfg: RunConfig, lm, valid: list, out: Path, stages: Stages) -> di
             table = stages.run(stage.name, lambda: probe.run(lm, valid))
             tick()
         tables[stage.name] = table
+        if stage.name == "linear":
+            pairs.drop_residuals()
         for file, df in {stage.table: table, **stage.derived(table)}.items():
             atomic_write_parquet(df, out / file)
     return tables
@@ -302,10 +308,14 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None, cases: list | N
     sel = prepare(cfg, lm, cases)
     out.mkdir(parents=True, exist_ok=True)
     claim_folder(out, RUN_CLAIM, cfg.model_dump(), settle=settled)
-    select_cases(cfg, lm, sel, out, stages)
-    tables = run_probes(cfg, lm, sel.valid, out, stages)
+    # each case's two caches (and residual streams, for the linear probe): prefilled once, at
+    # validity, for every later stage
+    pairs = PairMemo(lm, residuals="linear" in cfg.probes)
+    select_cases(cfg, lm, sel, out, stages, pairs)
+    tables = run_probes(cfg, lm, sel.valid, out, stages, pairs)
     rule = learn_rule(cfg, tables.get("locality", pd.DataFrame()), sel, out)
-    run_edits_stage(cfg, lm, sel, rule, out, stages)
+    run_edits_stage(cfg, lm, sel, rule, out, stages, pairs)
+    pairs.keep(())
     compose_summary = run_compose_stage(cfg, lm, out, stages)
     manifest = write_manifest(cfg, lm, sel, compose_summary, out, {**stages.wall, "total": time.perf_counter() - t0})
     if rule is not None:
@@ -348,11 +358,20 @@ def check_cases(lm, aligned: list, strategies: list[Strategy], cot: list[int], f
             s.check(lm, a)
 
 
-def select_cases(cfg: RunConfig, lm, sel: Selection, out: Path, stages: Stages) -> Selection:
-    """Check every aligned case's validity (resumable), choose what is probed and edited."""
+def select_cases(cfg: RunConfig, lm, sel: Selection, out: Path, stages: Stages, pairs: PairMemo | None = None
+                 ) -> Selection:
+    """Check every aligned case's validity (resumable), choose what is probed and edited; ``pairs``
+    keeps the caches of the chosen cases for the later stages."""
+    pairs = pairs or PairMemo(lm)
+
+    def check(a) -> pd.DataFrame:
+        row = check_case(lm, a, pairs.get(a))
+        if not (row["valid"] or (not cfg.valid_only and not row["control"])):
+            pairs.drop(a.case.case_id)  # never probed nor edited
+        return pd.DataFrame([row])
+
     tick = stages.progress("validity", len(sel.aligned))
-    validity = stages.run("validity", lambda: _per_case(
-        CaseStore(out, "validity"), sel.aligned.items(), lambda a: pd.DataFrame([check_case(lm.model, a)]), tick))
+    validity = stages.run("validity", lambda: _per_case(CaseStore(out, "validity"), sel.aligned.items(), check, tick))
     atomic_write_parquet(validity, out / VALIDITY)
     sel.validity = validity
     keep = validity.valid if cfg.valid_only else validity.valid | ~validity.control
@@ -366,6 +385,7 @@ def select_cases(cfg: RunConfig, lm, sel: Selection, out: Path, stages: Stages) 
                           f"({len(sel.aligned)} aligned cases); the probes need a model that decides by the field "
                           f"(or set valid_only: false to probe it anyway)")
     sel.rank_ids, sel.held_ids = split_holdout(sel.valid_ids, cfg.holdout, cfg.seed)
+    pairs.keep(sel.valid_ids + sel.control_ids)
     atomic_write_parquet(case_tokens(lm, sel.valid + sel.controls), out / TOKENS)
     return sel
 
@@ -385,8 +405,10 @@ def learn_rule(cfg: RunConfig, locality: pd.DataFrame, sel: Selection, out: Path
     return rule
 
 
-def run_edits_stage(cfg: RunConfig, lm, sel: Selection, rule, out: Path, stages: Stages) -> pd.DataFrame:
-    """Every strategy on the valid cases (and controls), per CoT budget; the K sweep on the held-out half."""
+def run_edits_stage(cfg: RunConfig, lm, sel: Selection, rule, out: Path, stages: Stages,
+                    pairs: PairMemo | None = None) -> pd.DataFrame:
+    """Every strategy on the valid cases (and controls), per CoT budget; the K sweep on the held-out half.
+    Without CoT a case starts from its old cache in ``pairs`` (kept from validity)."""
     learned = rule is not None and rule.n_cases > 0
     base = cfg.edit_strategies()
     rankings = [r for r in cfg.rankings if r != "causal" or learned]
@@ -396,14 +418,16 @@ def run_edits_stage(cfg: RunConfig, lm, sel: Selection, rule, out: Path, stages:
 
     def edit_one(item):
         a, cot = item
-        strategies = list(base)
+        sweep = []
         if a.case.case_id in held and cot == 0:
             n_down = a.downstream[1] - a.downstream[0]
-            strategies += [parse_strategy(f"selective:{k}:{r}") for k in cfg.ks if k <= n_down for r in rankings]
+            sweep = [parse_strategy(f"selective:{k}:{r}") for k in cfg.ks if k <= n_down for r in rankings]
         case = a if cot == 0 else align(a.case.model_copy(update={"cot": True}), lm.tokenizer, cfg.form)
         if isinstance(case, Skip):
             return pd.DataFrame()
-        return edit_case(lm, case, strategies, cot, cfg.min_flip, ranking=rule, seed=cfg.seed, model_name=cfg.model)
+        old_cache = pairs.get(a).old if pairs is not None and cot == 0 else None
+        return edit_case(lm, case, base, cot, cfg.min_flip, ranking=rule, seed=cfg.seed, model_name=cfg.model,
+                         old_cache=old_cache, sweep=sweep)
 
     edits = stages.run("edits", lambda: _per_case(CaseStore(out, "edits"), edit_items, edit_one, tick))
     if not learned and "ranking" in edits:  # parts stored by a version that ranked with an empty rule

@@ -29,8 +29,13 @@ class EditContext:
         return self.a.decision_pos
 
 
-def make_context(lm, a: AlignedCase, ranking=None, seed: int = 0, policy=None) -> EditContext:
-    """Prefill the old prompt (everything before the decision token) once for all strategies."""
+def make_context(lm, a: AlignedCase, ranking=None, seed: int = 0, policy=None,
+                 old_cache: DynamicCache | None = None) -> EditContext:
+    """Prefill the old prompt (everything before the decision token) once for all strategies; a
+    caller that holds that cache already (``old_cache``, positions [0, D)) passes it instead."""
     lm.check_length(len(a.ids_old))
+    if old_cache is not None:
+        assert kvcache.seq_len(old_cache) == a.decision_pos, (kvcache.seq_len(old_cache), a.decision_pos)
+        return EditContext(lm, a, old_cache, ranking, seed, policy)
     _, cache = kvcache.prefill(lm.model, torch.tensor(a.ids_old[: a.decision_pos]), logits_to_keep=1)
     return EditContext(lm, a, cache, ranking, seed, policy)

@@ -15,25 +15,35 @@ from kvprobe.datasets import AlignedCase, EditCase, Skip, align, require_answers
 from kvprobe.kv.readout import answer_targets, logit_diff, predicted
 from kvprobe.errors import KvprobeError
 from kvprobe.editor.context import make_context
-from kvprobe.editor.strategies import Strategy, apply, parse_strategy
-from kvprobe.kv.decode import Edited, decide, decide_many
+from kvprobe.editor.strategies import Selective, Strategy, apply, apply_selective_many, parse_strategy
+from kvprobe.kv import cache as kvcache
+from kvprobe.kv.decode import Edited, decide, decide_batch, decide_many
 from kvprobe.metrics import DEFAULT_MIN_FLIP, compare, recovery
 
 
 def edit_case(lm, a: AlignedCase, strategies: Sequence[Strategy], cot_tokens: int = 0,
-              min_flip: float = DEFAULT_MIN_FLIP, ranking=None, seed: int = 0, model_name: str = "") -> pd.DataFrame:
-    """Every strategy on one aligned case, against that case's stale and oracle reads."""
+              min_flip: float = DEFAULT_MIN_FLIP, ranking=None, seed: int = 0, model_name: str = "",
+              old_cache=None, sweep: Sequence[Selective] = ()) -> pd.DataFrame:
+    """Every strategy on one aligned case, against that case's stale and oracle reads; ``old_cache``
+    is the old prompt's cache of [0, D) when the caller holds it (never changed), else prefilled.
+
+    ``sweep`` (a K sweep's ``selective`` strategies) adds rows after the strategies' rows; they are
+    recomputed one batch per K, and their ``wall_s`` is their batch's time shared by its rows.
+    Without CoT, the decisions of states of one shape (cache length and tail) are read as one
+    batch; their ``decide_s`` is one read of that shape, timed on its own.
+    """
     case = a.case
+    if cot_tokens:  # with CoT every strategy reasons, each on its own
+        strategies, sweep = [*strategies, *sweep], ()
     strategies = list({s.label: s for s in strategies}.values())  # one row per strategy, even if listed twice
-    ctx = make_context(lm, a, ranking=ranking, seed=seed)
+    sweep = [s for s in {s.label: s for s in sweep}.values() if s.label not in {t.label for t in strategies}]
+    ctx = make_context(lm, a, ranking=ranking, seed=seed, old_cache=old_cache)
     new_ans, old_ans = answer_targets(case)
 
     wanted = {"stale": parse_strategy("stale"), "oracle": parse_strategy("oracle")}
     for s in strategies:
         wanted.setdefault(s.label, s)
     applied: dict[str, Edited | KvprobeError] = {}
-    reads: dict[str, tuple] = {}
-    decide_s: dict[str, float] = {}  # feeding the tail and reading the decision (no CoT only)
     for label, s in wanted.items():
         try:
             applied[label] = apply(ctx, s)
@@ -41,15 +51,24 @@ def edit_case(lm, a: AlignedCase, strategies: Sequence[Strategy], cot_tokens: in
             if s.name != "hoist":  # a user error (bad K, too long): stop, do not tabulate
                 raise
             applied[label] = exc  # hoist cannot rewrite every prompt: tabulated as an error row
-            continue
-        if not cot_tokens:  # read at once and let the cache go (a K sweep holds dozens)
-            start = time.perf_counter()
-            reads[label] = decide(lm, applied[label], 0)
-            decide_s[label] = time.perf_counter() - start
-            applied[label] = dataclasses.replace(applied[label], cache=None)
+    ok = [label for label, e in applied.items() if not isinstance(e, KvprobeError)]
     if cot_tokens:  # reasoning runs batched over the strategies
-        ok = [label for label, e in applied.items() if not isinstance(e, KvprobeError)]
         reads = dict(zip(ok, decide_many(lm, [applied[label] for label in ok], cot_tokens)))
+        decide_s: dict[str, float] = {}
+    else:
+        reads, decide_s = _read_by_shape(lm, {label: applied[label] for label in ok})
+        for label in ok:  # let the caches go
+            applied[label] = dataclasses.replace(applied[label], cache=None)
+        by_k: dict[int, list[Selective]] = {}
+        for s in sweep:
+            by_k.setdefault(s.k, []).append(s)
+        for group in by_k.values():  # one K at a time: a sweep holds dozens of caches
+            states = dict(zip((s.label for s in group), apply_selective_many(ctx, group)))
+            got, times = _read_by_shape(lm, states)
+            reads |= got
+            decide_s |= times
+            applied |= {label: dataclasses.replace(e, cache=None) for label, e in states.items()}
+        strategies += sweep
     stale_logits, oracle_logits = reads["stale"][0], reads["oracle"][0]
     m_stale = float(logit_diff(stale_logits, a.option_ids, new_ans, old_ans))
     m_oracle = float(logit_diff(oracle_logits, a.option_ids, new_ans, old_ans))
@@ -84,6 +103,23 @@ def edit_case(lm, a: AlignedCase, strategies: Sequence[Strategy], cot_tokens: in
                        ("n_tokens", len(a.ids_old))):
         df[col] = value
     return df
+
+
+def _read_by_shape(lm, states: dict[str, Edited]) -> tuple[dict[str, tuple], dict[str, float]]:
+    """Each state's (decision logits, "") and ``decide_s``: states of one cache length and tail are
+    read as one batch, and one of them alone (timed: the cost of one read of that shape)."""
+    groups: dict[tuple, list[str]] = {}
+    for label, e in states.items():
+        groups.setdefault((kvcache.seq_len(e.cache), tuple(e.tail_ids)), []).append(label)
+    reads, times = {}, {}
+    for labels in groups.values():
+        start = time.perf_counter()
+        reads[labels[0]] = decide(lm, states[labels[0]], 0)
+        elapsed = time.perf_counter() - start
+        rest = decide_batch(lm, [states[label] for label in labels[1:]])
+        reads |= {label: (logits, "") for label, logits in zip(labels[1:], rest)}
+        times |= {label: elapsed for label in labels}
+    return reads, times
 
 
 def align_all(lm, cases: Sequence[EditCase], form: str = "auto", cot: bool = False

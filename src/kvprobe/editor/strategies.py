@@ -46,7 +46,7 @@ from kvprobe.kv import cache as kvcache
 from kvprobe.kv.decode import Edited, decide
 from kvprobe.kv.hooks import hooks
 from kvprobe.kv.readout import option_scores
-from kvprobe.kv.recompute import recompute_positions
+from kvprobe.kv.recompute import recompute_many, recompute_positions
 
 # -- the registry and the spec grammar --------------------------------------------------------
 class Strategy(ABC):
@@ -158,6 +158,26 @@ def _selected(ctx: EditContext, downstream: list[int]) -> Edited:
     positions = list(range(f0, f1)) + downstream
     cache = recompute_positions(ctx.lm, ctx.old_cache, ctx.a.ids_new, positions)
     return Edited(cache, [ctx.a.ids_new[ctx.D]], len(positions), ctx.D + 1)
+
+
+def apply_selective_many(ctx: EditContext, strategies: list["Selective"]) -> list[Edited]:
+    """Several ``selective`` strategies on one case (a K sweep), the same caches as applying each,
+    recomputed as one batched forward per K. Each row's ``wall_s`` is its batch's time shared
+    equally by the batch's rows."""
+    out: dict[int, Edited] = {}
+    by_k: dict[int, list[int]] = {}
+    for i, s in enumerate(strategies):
+        s.check(ctx.lm, ctx.a)
+        by_k.setdefault(s.k, []).append(i)
+    f0, f1 = ctx.a.field
+    for idx in by_k.values():
+        start = time.perf_counter()
+        sets = [list(range(f0, f1)) + rank_downstream(ctx, strategies[i].ranking)[: strategies[i].k] for i in idx]
+        caches = recompute_many(ctx.lm, ctx.old_cache, ctx.a.ids_new, sets)
+        share = (time.perf_counter() - start) / len(idx)
+        for i, cache, positions in zip(idx, caches, sets):
+            out[i] = Edited(cache, [ctx.a.ids_new[ctx.D]], len(positions), ctx.D + 1, wall_s=share)
+    return [out[i] for i in range(len(strategies))]
 
 
 def _erratum_ids(lm, a, template: str, value_in_prompt: str, at: str = "question") -> list[int]:

@@ -99,6 +99,28 @@ def decide_many(lm, edited: Sequence[Edited], cot_tokens: int = 0) -> list[tuple
 
 
 @torch.no_grad()
+def decide_batch(lm, edited: Sequence[Edited], batch_bytes: int = 768 * 2**20) -> list[torch.Tensor]:
+    """The decision logits (V,) of several repaired states of one shape (cache length and tail), read
+    together: the tails run as one batch per ``batch_bytes`` of caches (no CoT). The same logits as
+    :func:`decide` for each, one weight read; every input cache is left as it was."""
+    if not edited:
+        return []
+    shapes = {(kvcache.seq_len(e.cache), tuple(e.tail_ids)) for e in edited}
+    assert len(shapes) == 1, "decide_batch reads states of one cache length and tail"
+    (_, tail), = shapes
+    first = kvcache.to_tensors(edited[0].cache)
+    per_row = sum(k.numel() * k.element_size() * 2 for k, _ in first)
+    per = max(1, batch_bytes // max(1, per_row))
+    out = []
+    for lo in range(0, len(edited), per):
+        chunk = edited[lo : lo + per]
+        cache = kvcache.concat([e.cache for e in chunk], dim="batch")  # a copy
+        ids = torch.tensor([list(tail)] * len(chunk))
+        out += list(kvcache.forward(lm.model, ids, cache, logits_to_keep=1).logits[:, -1])
+    return out
+
+
+@torch.no_grad()
 def decide(lm, edited: Edited, cot_tokens: int = 0) -> tuple[torch.Tensor, str]:
     """Feed the tail and read the decision logits (V,); with ``cot_tokens``, first generate up to
     that many greedy reasoning tokens, then append the answer cue and read there.

@@ -18,6 +18,11 @@ def option_scores(logits: torch.Tensor, option_ids: dict[str, list[int]], option
     return torch.stack(cols, -1)
 
 
+def option_columns(option_ids: dict[str, list[int]]) -> list[int]:
+    """Every vocabulary id an option's score reads (the columns a decision read needs)."""
+    return sorted({i for ids in option_ids.values() for i in ids})
+
+
 def logit_diff(logits: torch.Tensor, option_ids: dict[str, list[int]], answer_new: str, answer_old: str) -> torch.Tensor:
     """m = score(answer_new) - score(answer_old), shape (...)."""
     s = option_scores(logits, option_ids, [answer_new, answer_old])

@@ -30,3 +30,30 @@ def recompute_positions(lm, cache: DynamicCache, ids: list[int], positions: list
         k[:, :, sel], v[:, :, sel] = k[:, :, n:], v[:, :, n:]
         kvcache.set_kv(work, layer, k[:, :, :n], v[:, :, :n])
     return work
+
+
+def recompute_many(lm, cache: DynamicCache, ids: list[int], position_sets: list[list[int]]) -> list[DynamicCache]:
+    """:func:`recompute_positions` for several position sets of one size, as one batched forward
+    (one row per set, each with its own visibility): the same caches, one weight read."""
+    if not position_sets:
+        return []
+    sizes = {len(p) for p in position_sets}
+    assert len(sizes) == 1, f"position sets of one size only, got sizes {sorted(sizes)}"
+    if not sizes.pop():
+        return [kvcache.copy(cache) for _ in position_sets]
+    n, B = kvcache.seq_len(cache), len(position_sets)
+    sel = torch.tensor([sorted(p) for p in position_sets])  # (B, S)
+    assert int(sel.max()) < n, "positions must lie inside the cache"
+    work = kvcache.expand_batch(cache, B)
+    visible = torch.ones(B, sel.shape[1], n, dtype=torch.bool)
+    for b in range(B):
+        visible[b, :, sel[b]] = False  # each row's recomputed tokens stand in for their stale entries
+    kvcache.masked_forward(lm, torch.tensor(ids)[sel], work, sel, visible=visible, logits_to_keep=1)
+    rows = torch.arange(B)[:, None]
+    for layer in range(kvcache.n_layers(work)):
+        k, v = kvcache.get_kv(work, layer)  # (B, H_kv, n + S, D)
+        k = k.transpose(1, 2)  # (B, n + S, H_kv, D): index rows and positions together
+        v = v.transpose(1, 2)
+        k[rows, sel], v[rows, sel] = k[:, n:].clone(), v[:, n:].clone()
+        kvcache.set_kv(work, layer, k[:, :n].transpose(1, 2), v[:, :n].transpose(1, 2))
+    return [kvcache.take_rows(work, [b]) for b in range(B)]

@@ -23,6 +23,7 @@ from safetensors import SafetensorError
 from kvprobe.errors import EnvironmentProblem, KvprobeError, UsageError
 from kvprobe.models import bundled
 from kvprobe.models.adapter import Adapter
+from kvprobe.models.attention import use_grouped
 from kvprobe.models.fingerprint import weights_sha256
 from kvprobe.models.quiet import first_line, quiet_hf
 from kvprobe.models.rope import self_check
@@ -160,6 +161,8 @@ def _finish(model, tokenizer, spec: str, source: str, dtype: str | None, device:
     elif device_map is None and device is not None:
         model = model.to(device=device)
     model = model.eval()
+    if source != "object":  # a model the caller built keeps its own attention
+        use_grouped(model)
     dtype = dtype or next((name for name, t in DTYPES.items() if t == model.dtype), None)
     if dtype is None:
         raise UsageError(f"the model's dtype {model.dtype} is not supported; accepted: {', '.join(DTYPES)}")

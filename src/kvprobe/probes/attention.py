@@ -18,23 +18,30 @@ from dataclasses import dataclass
 
 import pandas as pd
 import torch
+from transformers import DynamicCache
 
 from kvprobe.datasets import AlignedCase
 from kvprobe.errors import KvprobeError
 from kvprobe.kv import cache as kvcache
 from kvprobe.probes.base import Inputs, ProbeStage, region_of, register, rows, run_each
+from kvprobe.probes.engine import PairCaches
 from kvprobe.results import ATTENTION
 
 ATTN_REGIONS = ("sink", "prefix", "field", "downstream", "decision")
 
 
 @torch.no_grad()
-def decision_attention(lm, a: AlignedCase) -> torch.Tensor:
-    """The decision token's attention over the old prompt, (n_layers, H, D + 1)."""
+def decision_attention(lm, a: AlignedCase, cache: DynamicCache | None = None) -> torch.Tensor:
+    """The decision token's attention over the old prompt, (n_layers, H, D + 1); ``cache``: the old
+    prompt's cache of [0, D) when one is at hand (left as it was), else it is prefilled here."""
     D = a.decision_pos
     ids = torch.tensor(a.ids_old, device=lm.device)
-    _, cache = kvcache.prefill(lm.model, ids[:D], logits_to_keep=1)
-    out = kvcache.forward(lm.model, ids[D:D + 1][None], cache, output_attentions=True)
+    if cache is None:
+        _, cache = kvcache.prefill(lm.model, ids[:D], logits_to_keep=1)
+    try:
+        out = kvcache.forward(lm.model, ids[D:D + 1][None], cache, output_attentions=True)
+    finally:
+        kvcache.truncate_(cache, D)
     if not out.attentions or out.attentions[0] is None:
         raise KvprobeError("the model returned no attention weights; load it with attn_implementation='eager'")
     att = torch.stack([w[0, :, -1] for w in out.attentions])  # (L, H, D + 1)
@@ -63,8 +70,8 @@ class Attention:
     def run(self, lm, pairs: Sequence[AlignedCase]) -> pd.DataFrame:
         return run_each(self, lm, pairs)
 
-    def run_case(self, lm, a: AlignedCase) -> pd.DataFrame:
-        att = decision_attention(lm, a)
+    def run_case(self, lm, a: AlignedCase, pc: PairCaches | None = None) -> pd.DataFrame:
+        att = decision_attention(lm, a, pc.old if pc is not None else None)
         shares = region_shares(a, att)
         counts = {r: sum(region_of(a, p) == r for p in range(att.shape[-1])) for r in ATTN_REGIONS}
         L, H = att.shape[:2]

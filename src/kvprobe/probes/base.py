@@ -1,8 +1,11 @@
 """The probe protocol, the registry that ``kvprobe run`` iterates, and the shared tidy columns.
 
-A probe is a small pure unit: a frozen dataclass whose ``run_case(lm, case)`` (or, across cases,
-``run(lm, cases)``) returns a long/tidy DataFrame with :data:`RESULT_COLUMNS` (plus probe-specific
-extras). No file I/O, no printing, no report calls inside a probe.
+A probe is a small pure unit: a frozen dataclass whose ``run_case(lm, case, pc=None)`` (or, across
+cases, ``run(lm, cases)``) returns a long/tidy DataFrame with :data:`RESULT_COLUMNS` (plus probe-specific
+extras). No file I/O, no printing, no report calls inside a probe. ``pc`` is the case's
+:class:`~kvprobe.probes.engine.PairCaches` (both prompts' caches and decision logits): ``kvprobe
+run`` builds it once per case (at validity) and hands it to every stage, so a probe never prefills
+the two prompts again; a probe run on its own builds it when ``pc`` is None.
 
 Each probe module registers a :class:`ProbeStage`: the name a run config uses, the table it
 writes, the probes whose tables it reads (``needs``), how to build the probe from the run's
@@ -40,6 +43,7 @@ class Inputs:
     seed: int
     model_name: str
     tables: Mapping[str, pd.DataFrame] = field(default_factory=dict)  # stage name -> table, of earlier stages
+    pairs: Any = None  # the run's kvprobe.probes.engine.PairMemo (each case's caches, built once), if any
 
     def table(self, name: str) -> pd.DataFrame:
         """The table of an earlier stage; empty when it did not run."""
@@ -52,7 +56,7 @@ class ProbeStage:
 
     name: str  # the name in RunConfig.probes
     table: str  # the results file it writes
-    build: Callable[[Inputs], Any]  # -> an object with run_case(lm, case), or run(lm, cases) if not per_case
+    build: Callable[[Inputs], Any]  # -> an object with run_case(lm, case, pc), or run(lm, cases) if not per_case
     per_case: bool = True  # False: one run over every case (stored whole, not in per-case parts)
     needs: tuple[str, ...] = ()  # stages that run first; their tables reach build() when they ran
     sections: tuple[str, ...] = ()  # ids of the report sections that draw the table

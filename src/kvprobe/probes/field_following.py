@@ -6,7 +6,8 @@ flips it); a negative-control case is valid when it answers correctly under both
 leaves it alone). Probes and edits later run on valid cases only.
 
 The two prompts share every token before the field, so that prefix is prefilled once and the
-two suffixes run as one batch of two.
+two suffixes run as one batch of two (:meth:`kvprobe.probes.engine.PairCaches.build`; a run keeps
+those caches for its later stages).
 """
 
 from __future__ import annotations
@@ -14,35 +15,20 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import pandas as pd
-import torch
 
 from kvprobe.datasets import AlignedCase, EditCase, Skip, align, require_answers
 from kvprobe.kv.readout import answer_targets, logit_diff, predicted
-from kvprobe.kv import cache as kvcache
+from kvprobe.probes.engine import PairCaches
 
 CHECK_COLUMNS = ["case_id", "domain", "field", "control", "old_value", "new_value", "expected_old",
                  "expected_new", "pred_old", "pred_new", "correct_old", "correct_new", "flipped", "m_old",
                  "m_new", "logit_shift", "valid", "n_tokens"]
 
 
-@torch.no_grad()
-def decision_logits_pair(model, a: AlignedCase) -> torch.Tensor:
-    """Decision logits (2, V) for the old and new prompt, sharing the prefix before the field."""
-    start = a.field[0]
-    ids = torch.tensor([a.ids_old, a.ids_new])
-    cache = None
-    if start > 0:
-        _, cache = kvcache.prefill(model, ids[:1, :start], logits_to_keep=1)
-        cache = kvcache.expand_batch(cache, 2)
-    out = kvcache.forward(model, ids[:, start:], cache if cache is not None else kvcache.new_cache(),
-                    positions=torch.arange(start, ids.shape[1]), logits_to_keep=1)
-    return out.logits[:, -1]
-
-
-def check_case(model, a: AlignedCase) -> dict:
-    """One row of the validity table for an aligned case."""
+def check_case(lm, a: AlignedCase, pc: PairCaches | None = None) -> dict:
+    """One row of the validity table for an aligned case (``pc``: its caches, if already built)."""
     c = a.case
-    logits = decision_logits_pair(model, a)
+    logits = (pc or PairCaches.build(lm, a)).logits
     pred = predicted(logits, a.option_ids, c.options)
     m = logit_diff(logits, a.option_ids, *answer_targets(c)).tolist()
     correct_old, correct_new = pred[0] == c.expected_old, pred[1] == c.expected_new
@@ -68,7 +54,7 @@ def check_cases(lm, cases: Iterable[EditCase], form: str = "auto",
         if isinstance(a, Skip):
             skipped.append(a)
         else:
-            rows.append(check_case(lm.model, a))
+            rows.append(check_case(lm, a))
         on_case(i)
     return pd.DataFrame(rows, columns=CHECK_COLUMNS), skipped
 

@@ -45,7 +45,7 @@ import torch
 from transformers import DynamicCache
 
 from kvprobe.datasets import AlignedCase
-from kvprobe.kv.readout import logit_diff, predicted
+from kvprobe.kv.readout import logit_diff, option_columns, predicted
 from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.kv import cache as kvcache
 from kvprobe.kv.hooks import hooks
@@ -57,7 +57,7 @@ from kvprobe.probes.locality import targets
 BANDS = ("all", "early", "middle", "late")
 HeadSet = frozenset  # of (layer, head) pairs
 
-ATTN_IMPLEMENTATIONS = ("eager", "sdpa")  # the ones that honour a 4D attention_mask
+ATTN_IMPLEMENTATIONS = ("eager", "kvprobe_eager", "sdpa")  # the ones that honour a 4D attention_mask
 
 
 def _check_attn(lm) -> None:
@@ -180,51 +180,58 @@ def _chunks(cache: DynamicCache, n: int, batch_bytes: int) -> Iterator[tuple[int
         yield start, min(n, start + per)
 
 
-def _read(lm, cache: DynamicCache, token: int, position: int, B: int) -> torch.Tensor:
-    """Decision logits (B, V): ``token`` at ``position`` over B copies of a batch-1 ``cache``."""
+def _read(lm, cache: DynamicCache, token: int, position: int, B: int, columns: Sequence[int] | None = None
+          ) -> torch.Tensor:
+    """Decision logits (B, V): ``token`` at ``position`` over B copies of a batch-1 ``cache``
+    (only ``columns`` computed when given)."""
     batch = kvcache.concat([cache] * B, dim="batch")
     ids, pos = torch.full((B, 1), token), torch.full((B, 1), position)
-    return kvcache.masked_forward(lm, ids, batch, pos).logits[:, -1]
+    return kvcache.masked_forward(lm, ids, batch, pos, columns=columns).logits[:, -1]
 
 
 @torch.no_grad()
 def knockout_reads(lm, cache: DynamicCache, token: int, position: int, hidden: torch.Tensor,
-                   batch_bytes: int = DEFAULT_BATCH_BYTES) -> torch.Tensor:
+                   batch_bytes: int = DEFAULT_BATCH_BYTES, columns: Sequence[int] | None = None) -> torch.Tensor:
     """Decision logits (B, V), row b read with the edges ``hidden[b]`` (L, N) removed.
 
-    ``cache`` holds one prompt's positions [0, N) (batch 1) and is left untouched.
+    ``cache`` holds one prompt's positions [0, N) (batch 1) and is left untouched. With ``columns``
+    only those vocabulary ids are computed (the rest are -inf).
     """
     assert hidden.ndim == 3 and hidden.shape[2] == kvcache.seq_len(cache), (hidden.shape, kvcache.seq_len(cache))
     out = []
     for lo, hi in _chunks(cache, hidden.shape[0], batch_bytes):
         with attention_knockout(lm, hidden[lo:hi]):
-            out.append(_read(lm, cache, token, position, hi - lo))
+            out.append(_read(lm, cache, token, position, hi - lo, columns))
     return torch.cat(out)
 
 
 @torch.no_grad()
-def head_inputs(lm, cache: DynamicCache, token: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+def head_inputs(lm, cache: DynamicCache, token: int, position: int, columns: Sequence[int] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits (V,), o_proj inputs (L, n_heads * head_dim)) of one plain read of ``token``."""
     store: dict[int, torch.Tensor] = {}
     with recording_head_inputs(lm, store):
-        logits = _read(lm, cache, token, position, 1)[0]
+        logits = _read(lm, cache, token, position, 1, columns)[0]
     return logits, torch.stack([store[layer][0] for layer in range(lm.adapter.n_layers)])
 
 
 @torch.no_grad()
 def head_patched_reads(lm, cache: DynamicCache, token: int, position: int, patches: Sequence[HeadSet],
-                       source: torch.Tensor | None, batch_bytes: int = DEFAULT_BATCH_BYTES) -> torch.Tensor:
-    """Decision logits (len(patches), V) with each row's heads patched from ``source`` (None: zeroed)."""
+                       source: torch.Tensor | None, batch_bytes: int = DEFAULT_BATCH_BYTES,
+                       columns: Sequence[int] | None = None) -> torch.Tensor:
+    """Decision logits (len(patches), V) with each row's heads patched from ``source`` (None: zeroed);
+    with ``columns`` only those vocabulary ids are computed."""
     out = []
     for lo, hi in _chunks(cache, len(patches), batch_bytes):
         with head_patching(lm, patches[lo:hi], source):
-            out.append(_read(lm, cache, token, position, hi - lo))
+            out.append(_read(lm, cache, token, position, hi - lo, columns))
     return torch.cat(out)
 
 
 def single_position_effects(lm, pc: PairCaches, m_of) -> torch.Tensor:
     """(D,) change of m when one old-cache position takes the new prompt's K/V (all layers)."""
-    ms = m_of(patched_reads(lm, pc, [Patch(()), *(Patch((p,)) for p in range(pc.D))]))
+    ms = m_of(patched_reads(lm, pc, [Patch(()), *(Patch((p,)) for p in range(pc.D))],
+                            columns=option_columns(pc.a.option_ids)))
     return ms[1:] - ms[0]
 
 
@@ -301,7 +308,7 @@ class EdgeKnockout:
         records, refs = [], {}
         for which in self.caches:
             cache = {"old": pc.old, "new": pc.new}[which]
-            logits = knockout_reads(lm, cache, token, D, hidden)
+            logits = knockout_reads(lm, cache, token, D, hidden, columns=option_columns(a.option_ids))
             ms, preds = m_of(logits).tolist(), _preds(logits, a)
             refs[which] = ms[0]  # plan[0] is "none": the unablated read
             for ((name, k, positions), (band, layers)), m, pred in zip(plan, ms, preds):
@@ -342,12 +349,13 @@ class HeadPatch:
         m_of = lambda lg: logit_diff(lg, a.option_ids, new_ans, old_ans)  # noqa: E731
         D, token = pc.D, a.ids_old[pc.D]
         L, H = lm.adapter.n_layers, lm.adapter.n_heads
-        oracle_logits, source = head_inputs(lm, pc.new, token, D)  # source: (L, H * hd)
+        cols = option_columns(a.option_ids)  # reads compute the options' logits only
+        oracle_logits, source = head_inputs(lm, pc.new, token, D, cols)  # source: (L, H * hd)
         m_oracle = float(m_of(oracle_logits))
         oracle_pred = _preds(oracle_logits[None], a)[0]
         heads = [(layer, head) for layer in range(L) for head in range(H)]
         singles = [HeadSet()] + [HeadSet({lh}) for lh in heads]  # row 0: the stale read
-        ms = m_of(head_patched_reads(lm, pc.old, token, D, singles, source)).tolist()
+        ms = m_of(head_patched_reads(lm, pc.old, token, D, singles, source, columns=cols)).tolist()
         m_stale, flip = ms[0], m_oracle - ms[0]
         rec = lambda m: (m - m_stale) / flip if flip else float("nan")  # noqa: E731
         records = []
@@ -361,7 +369,7 @@ class HeadPatch:
         rng = random.Random(f"{self.seed}:{a.case.case_id}")
         named = [("top", top), ("all", HeadSet(heads))]
         named += [("random", HeadSet(rng.sample(heads, k))) for _ in range(self.n_random)]
-        logits = head_patched_reads(lm, pc.old, token, D, [s for _, s in named], source)
+        logits = head_patched_reads(lm, pc.old, token, D, [s for _, s in named], source, columns=cols)
         for (name, heads_set), m, pred in zip(named, m_of(logits).tolist(), _preds(logits, a)):
             for metric, value in (("m", m), ("recovery", rec(m)), ("agree", float(pred == oracle_pred))):
                 records.append({"metric": metric, "value": value, "set": name, "k": len(heads_set),
@@ -379,8 +387,9 @@ class Knockout:
     edge: EdgeKnockout
     heads: HeadPatch
 
-    def run_case(self, lm, a: AlignedCase) -> pd.DataFrame:
-        return pd.concat([p.run(lm, [a]) for p in (self.edge, self.heads)], ignore_index=True)
+    def run_case(self, lm, a: AlignedCase, pc: PairCaches | None = None) -> pd.DataFrame:
+        pc = pc or PairCaches.build(lm, a)
+        return pd.concat([p.run_case(lm, a, pc) for p in (self.edge, self.heads)], ignore_index=True)
 
 
 def _build(inputs: Inputs) -> Knockout:

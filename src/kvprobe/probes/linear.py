@@ -27,7 +27,6 @@ at that layer and every later one. Depth rows carry the layer; the value is ``la
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -40,8 +39,8 @@ from kvprobe.datasets import AlignedCase
 from kvprobe.kv.readout import option_scores
 from kvprobe.errors import KvprobeError
 from kvprobe.kv import cache as kvcache
-from kvprobe.kv.hooks import hooks
 from kvprobe.probes.base import Inputs, ProbeStage, register, rows, top_notes
+from kvprobe.probes.engine import PairCaches, PairMemo, pair_pass
 from kvprobe.results import LINEAR
 
 AGGREGATOR_KINDS = ("newline", "punct", "section")
@@ -57,21 +56,6 @@ def default_notes(a: AlignedCase) -> list[int]:
     return notes or list(range(d0, d1))
 
 
-@contextlib.contextmanager
-def residual_hooks(lm):
-    """Collect each decoder layer's output residual (B, T, hidden); hooks removed in ``finally``."""
-    layers = lm.adapter.layers(lm.model)
-    got: list[torch.Tensor | None] = [None] * len(layers)
-
-    def hook(i):
-        def fn(_module, _inputs, out):
-            got[i] = (out[0] if isinstance(out, tuple) else out).detach()
-        return fn
-
-    with hooks(post=[(layer, hook(i)) for i, layer in enumerate(layers)]):
-        yield got
-
-
 @dataclass
 class Samples:
     """Probe features of N samples: ``features[(site, stream)]`` is (N, n_layers, dim)."""
@@ -84,35 +68,52 @@ class Samples:
 
 
 @torch.no_grad()
-def sample_features(lm, a: AlignedCase, ids: list[int], notes: Sequence[int]) -> tuple[dict, int, np.ndarray]:
-    """One prompt's features by (site, stream) -> (n_layers, dim), its predicted option index, and
-    per layer whether the logit lens at the decision token picks that option."""
+def pair_features(lm, a: AlignedCase, notes: Sequence[int], pc: PairCaches | None = None
+                  ) -> list[tuple[dict, int, np.ndarray]]:
+    """The old and the new prompt's features, each: by (site, stream) -> (n_layers, dim), the
+    predicted option index, and per layer whether the logit lens at the decision token picks it.
+
+    Every site lies at or after the field (unless a note lies before it), where the two prompts
+    start to differ: the features come from the case's :class:`PairCaches` built with residuals
+    (``kvprobe run`` builds it once, at validity), else from one pass of both prompts from the first
+    site on (:func:`~kvprobe.probes.engine.pair_pass`, the prefix read from ``pc`` when given).
+    """
     D, (f0, f1) = a.decision_pos, a.field
+    start = min(f0, *notes)
     options = a.case.options
-    with residual_hooks(lm) as resid:
-        cache = kvcache.new_cache()
-        out = kvcache.forward(lm.model, torch.tensor([ids[: D + 1]], device=lm.device), cache, logits_to_keep=1)
-    pred = int(option_scores(out.logits[0, -1].float().cpu(), a.option_ids, options).argmax())
+    if pc is not None and pc.resid is not None and start == f0:
+        logits, res = pc.logits, pc.resid
+        kv = [(torch.cat([k0, k1]), torch.cat([v0, v1]))
+              for (k0, v0), (k1, v1) in zip(kvcache.to_tensors(pc.old), kvcache.to_tensors(pc.new))]
+    else:
+        logits, cache, res = pair_pass(lm, a, start, pc.old if pc is not None else None, residuals=True)
+        kv = kvcache.to_tensors(cache)
+    # res: (2, L, D + 1 - start, hidden); kv: per layer (2, H_kv, >= D, hd); position p is index p - start
+    preds = option_scores(logits.float().cpu(), a.option_ids, options).argmax(-1).tolist()
     L = lm.adapter.n_layers
-    res = torch.stack([r[0] for r in resid])  # (L, T, hidden)
-    kv = kvcache.to_tensors(cache)
-    keys = torch.stack([k[0].transpose(0, 1).flatten(1) for k, _ in kv])  # (L, T, H_kv*hd)
-    vals = torch.stack([v[0].transpose(0, 1).flatten(1) for _, v in kv])
-    field, note = list(range(f0, f1)), list(notes)
-    feats = {}
-    for site, pos in (("field", field), ("notes", note)):
-        for stream, x in (("k", keys), ("v", vals), ("resid", res)):
-            feats[(site, stream)] = x[:, pos].float().mean(1).cpu().numpy()  # (L, dim)
-    feats[("decision", "resid")] = res[:, D].float().cpu().numpy()
-    # logit lens: final norm + LM head on the decision-token residual after each layer
-    lens_logits = lm.adapter.lm_head(lm.model)(lm.adapter.final_norm(lm.model)(res[:, D]))  # (L, V)
-    lens = option_scores(lens_logits.float().cpu(), a.option_ids, options).argmax(-1).numpy() == pred
-    assert lens.shape == (L,)
-    return feats, pred, lens
+    keys = torch.stack([k[:, :, start:D].transpose(1, 2).flatten(2) for k, _ in kv], 1)  # (2, L, D - start, H_kv*hd)
+    vals = torch.stack([v[:, :, start:D].transpose(1, 2).flatten(2) for _, v in kv], 1)
+    field, note = [p - start for p in range(f0, f1)], [p - start for p in notes]
+    samples = []
+    for row in range(2):
+        feats = {}
+        for site, pos in (("field", field), ("notes", note)):
+            for stream, x in (("k", keys), ("v", vals), ("resid", res)):
+                feats[(site, stream)] = x[row][:, pos].float().mean(1).cpu().numpy()  # (L, dim)
+        decision = res[row][:, D - start]  # (L, hidden)
+        feats[("decision", "resid")] = decision.float().cpu().numpy()
+        # logit lens: final norm + LM head on the decision-token residual after each layer
+        lens_logits = lm.adapter.lm_head(lm.model)(lm.adapter.final_norm(lm.model)(decision))  # (L, V)
+        lens = option_scores(lens_logits.float().cpu(), a.option_ids, options).argmax(-1).numpy() == preds[row]
+        assert lens.shape == (L,)
+        samples.append((feats, preds[row], lens))
+    return samples
 
 
-def collect(lm, pairs: Sequence[AlignedCase], notes: Mapping[str, Sequence[int]] | None = None) -> Samples:
-    """Old and new prompt of every non-control case -> :class:`Samples`."""
+def collect(lm, pairs: Sequence[AlignedCase], notes: Mapping[str, Sequence[int]] | None = None,
+            memo: PairMemo | None = None) -> Samples:
+    """Old and new prompt of every non-control case -> :class:`Samples`; ``memo`` (a run's
+    :class:`~kvprobe.probes.engine.PairMemo`) gives each case's caches and residual streams."""
     feats: dict[tuple[str, str], list] = {}
     value, decision, groups, lens, case_ids = [], [], [], [], []
     for a in pairs:
@@ -127,8 +128,8 @@ def collect(lm, pairs: Sequence[AlignedCase], notes: Mapping[str, Sequence[int]]
             pos = sorted(int(p) for p in notes[c.case_id])
             if not pos or not all(0 <= p < a.decision_pos for p in pos):
                 raise KvprobeError(f"case {c.case_id}: note positions must be non-empty and in [0, {a.decision_pos})")
-        for ids, expected in ((a.ids_old, c.expected_old), (a.ids_new, c.expected_new)):
-            f, pred, ln = sample_features(lm, a, ids, pos)
+        both = pair_features(lm, a, pos, memo.get(a) if memo is not None else None)
+        for (f, pred, ln), expected in zip(both, (c.expected_old, c.expected_new)):
             for key, x in f.items():
                 feats.setdefault(key, []).append(x)
             value.append(int(expected == c.options[0]))
@@ -231,6 +232,7 @@ class Linear:
 
     name = "linear"
     notes: Mapping[str, Sequence[int]] | None = None  # case_id -> note positions; None: aggregator tokens
+    memo: PairMemo | None = None  # a run's PairMemo: each case's caches and residual streams, built once
     n_splits: int = 5
     C: float = 0.1
     threshold: float = 0.9  # write depth: first layer with CV accuracy >= threshold
@@ -239,7 +241,7 @@ class Linear:
     model_name: str = ""
 
     def run(self, lm, pairs: Sequence[AlignedCase]) -> pd.DataFrame:
-        s = collect(lm, pairs, self.notes)
+        s = collect(lm, pairs, self.notes, self.memo)
         if not s.case_ids:
             raise KvprobeError("the linear probe needs decision (non-control) cases; got none")
         L = lm.adapter.n_layers
@@ -258,7 +260,7 @@ class Linear:
 
 def _build(inputs: Inputs) -> Linear:
     notes = {c: p[:8] for c, p in top_notes(inputs.table("locality"), k=None).items()}
-    return Linear(model_name=inputs.model_name, notes=notes or None)
+    return Linear(model_name=inputs.model_name, notes=notes or None, memo=inputs.pairs)
 
 
 STAGE = register(ProbeStage("linear", LINEAR, _build, per_case=False, needs=("locality",), sections=("linear",)))

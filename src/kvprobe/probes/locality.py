@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 
 from kvprobe.datasets import AlignedCase
-from kvprobe.kv.readout import answer_targets, logit_diff, predicted
+from kvprobe.kv.readout import answer_targets, logit_diff, option_columns, predicted
 from kvprobe.probes.base import Inputs, ProbeStage, region_of, register, rows, run_each
 from kvprobe.probes.concentration import concentration
 from kvprobe.results import CONCENTRATION, LOCALITY
@@ -68,12 +68,13 @@ class Locality:
         new_ans, old_ans = targets(a)
         D = a.decision_pos
         m_of = lambda lg: logit_diff(lg, a.option_ids, new_ans, old_ans)  # noqa: E731
+        cols = option_columns(a.option_ids)  # reads compute the options' logits only
         # clean reads: stale (nothing patched) and oracle (everything patched)
-        ends = m_of(patched_reads(lm, pc, [Patch(()), Patch(tuple(range(D)))]))
+        ends = m_of(patched_reads(lm, pc, [Patch(()), Patch(tuple(range(D)))], columns=cols))
         m_stale, m_oracle = float(ends[0]), float(ends[1])
         flip = m_oracle - m_stale
         # the sweep: every single position, one batched read each
-        sweep = m_of(patched_reads(lm, pc, [Patch((p,)) for p in range(D)]))
+        sweep = m_of(patched_reads(lm, pc, [Patch((p,)) for p in range(D)], columns=cols))
         effects = sweep - m_stale  # (D,)
         records = [{"position": p, "region": region_of(a, p), "metric": "effect", "value": float(effects[p]),
                     "set": "single", "k": 1, "kind": a.kinds[p]} for p in range(D)]
@@ -83,7 +84,7 @@ class Locality:
             n_layers = lm.adapter.n_layers
             for region, span in (("field", a.field), ("downstream", a.downstream)):
                 named += [(f"{region}@layer", None, Patch(tuple(range(*span)), (layer,))) for layer in range(n_layers)]
-        logits = patched_reads(lm, pc, [p for _, _, p in named])
+        logits = patched_reads(lm, pc, [p for _, _, p in named], columns=cols)
         ms = m_of(logits)
         preds = predicted(logits, a.option_ids, a.case.options)
         oracle_pred = preds[1]

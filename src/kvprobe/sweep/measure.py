@@ -31,7 +31,7 @@ from kvprobe.editor.context import EditContext
 from kvprobe.editor.strategies import Strategy, apply
 from kvprobe.errors import KvprobeError
 from kvprobe.kv.decode import decide
-from kvprobe.kv.readout import answer_targets, logit_diff, predicted
+from kvprobe.kv.readout import answer_targets, logit_diff, option_columns, predicted
 from kvprobe.metrics import recovery
 from kvprobe.probes.engine import PairCaches, Patch, patched_reads
 
@@ -65,7 +65,7 @@ def measure_case(lm, a: AlignedCase, strategies: Sequence[Strategy], min_flip: f
     lm.check_length(len(a.ids_old))
     pc = PairCaches.build(lm, a)
     sets = patch_sets(a)
-    logits = patched_reads(lm, pc, [p for _, p in sets])
+    logits = patched_reads(lm, pc, [p for _, p in sets], columns=option_columns(a.option_ids))
     ms, preds = m_of(logits).tolist(), pred_of(logits)
     m_stale, m_oracle, pred_stale, pred_oracle = ms[0], ms[1], preds[0], preds[1]
     valid = pred_stale == case.expected_old and pred_oracle == case.expected_new
