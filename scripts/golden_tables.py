@@ -1,0 +1,50 @@
+"""Write the reference tables that ``tests/unit/test_same_tables.py`` holds every later version to.
+
+    PYTHONPATH=<a checkout>/src python scripts/golden_tables.py tests/data/golden
+
+Runs ``kvprobe run`` for each configuration in :data:`CONFIGS` (tiny and toy models: every probe,
+the default strategies, a K sweep) and keeps each run's tables (parquet) under OUT/<name>/. The
+tables in the repository were written by commit c1257f3, before issue 20 batched and shared the
+run's forward passes, so the test shows the faster run computes the same tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+from pathlib import Path
+
+CONFIGS = {
+    # random weights: every aligned case, so every probe and strategy runs
+    "tiny-llama": dict(model="tiny-llama", n=4, valid_only=False, ks=[1, 2, 4]),
+    # a model that decides: valid cases only, the default strategies and K sweep
+    "toy-qwen2": dict(model="toy-qwen2", n=6, ks=[1, 2, 4, 8]),
+}
+
+
+def run_config(name: str, out: Path) -> Path:
+    """Run one configuration into ``out`` (a fresh folder); returns it."""
+    from kvprobe.pipeline import RunConfig, run
+
+    run(RunConfig(**CONFIGS[name]), out)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    args = ap.parse_args()
+    for name in CONFIGS:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = run_config(name, Path(tmp) / name)
+            dest = args.out / name
+            shutil.rmtree(dest, ignore_errors=True)
+            dest.mkdir(parents=True)
+            for table in sorted(folder.glob("*.parquet")):
+                shutil.copy(table, dest / table.name)
+            print(f"{name}: {len(list(dest.glob('*.parquet')))} tables -> {dest}")
+
+
+if __name__ == "__main__":
+    main()
