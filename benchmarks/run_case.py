@@ -4,7 +4,8 @@ Runs ``kvprobe run`` (every probe, the default strategies, the held-out K sweep,
 ``--n`` generated cases into a fresh folder, then times one full prefill of each valid case's new
 prompt (the oracle's repair: positions [0, D)) in the same process. A stage's cost per valid case
 is its wall time divided by the number of valid decision cases; in prefill-equivalents it is that
-divided by the median full-prefill time. Ratios, not seconds: this machine is noisy.
+divided by the median full-prefill time. Ratios, not seconds: this machine is noisy. (A run also
+writes its own profile to manifest.json, ``prefill_equivalents``, over the oracle's prefill time.)
 
     python benchmarks/run_case.py --model qwen2.5-1.5b --n 10 --json after.json
     python benchmarks/run_case.py --model qwen2.5-1.5b --n 10 --before before.json   # side by side
@@ -75,6 +76,7 @@ def measure(args) -> dict:
         "per_case_s": {s: w / n_valid for s, w in stages.items()},
         "prefill_equivalents": {s: w / n_valid / p for s, w in stages.items()},
         "total_prefill_equivalents": sum(stages.values()) / n_valid / p,
+        "manifest_profile": {k: v for k, v in manifest.get("prefill_equivalents", {}).items() if k != "cases"},
     }
 
 
@@ -82,6 +84,10 @@ def show(now: dict, before: dict | None) -> None:
     print(f"model={now['model']} dtype={now['dtype']} device={now['device']} n={now['n']} seed={now['seed']} "
           f"threads={now['threads']}  valid cases={now['n_valid']}  median prompt={now['n_tokens']} tokens  "
           f"full prefill={now['prefill_s']:.3f} s")
+    prof = now.get("manifest_profile")
+    if prof:
+        print(f"the run's own manifest (denominator: the oracle's prefill, {prof['prefill_s']:.3f} s): "
+              f"{prof['total_per_valid_case']:.2f} prefill-equivalents per valid case")
     if before:
         print(f"before: {before['kvprobe']}  valid cases={before['n_valid']}  full prefill={before['prefill_s']:.3f} s")
     head = f"{'stage':<10} {'s/case':>8} {'prefill-eq':>11}"

@@ -211,11 +211,13 @@ def split_holdout(case_ids: list[str], fraction: float, seed: int) -> tuple[list
 
 
 class Stages:
-    """Timing and progress of the stages of one run."""
+    """Timing and progress of the stages of one run: each stage's wall time, and per stage the
+    seconds of each case computed in this session (a case resumed from its part has none)."""
 
     def __init__(self, progress: Callable[[str, int], Callable[[], None]]):
         self.progress = progress
         self.wall: dict[str, float] = {}
+        self.case_s: dict[str, dict[str, float]] = {}
 
     def run(self, name: str, fn):
         start = time.perf_counter()
@@ -224,13 +226,18 @@ class Stages:
         return out
 
 
-def _per_case(store: CaseStore, items, fn, tick) -> pd.DataFrame:
+def _per_case(store: CaseStore, items, fn, tick, times: dict[str, float] | None = None) -> pd.DataFrame:
+    """``fn`` over the items whose part is not in ``store`` yet (the others are loaded), each part
+    saved as it is done; ``times`` gets the seconds of each computed one."""
     frames = []
     for key, item in items:
         if store.done(key):
             frames.append(store.load(key))
         else:
+            start = time.perf_counter()
             df = fn(item)
+            if times is not None:
+                times[key] = time.perf_counter() - start
             store.save(key, df)
             frames.append(df)
         tick()
@@ -253,7 +260,7 @@ def run_probes(cfg: RunConfig, lm, valid: list, out: Path, stages: Stages, pairs
             tick = stages.progress(stage.name, len(valid))
             table = stages.run(stage.name, lambda: _per_case(
                 CaseStore(out, stage.name), [(a.case.case_id, a) for a in valid],
-                lambda a: probe.run_case(lm, a, pairs.get(a)), tick))
+                lambda a: probe.run_case(lm, a, pairs.get(a)), tick, stages.case_s.setdefault(stage.name, {})))
         elif (out / stage.table).exists():
             table = pd.read_parquet(out / stage.table)
         else:
@@ -317,7 +324,8 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None, cases: list | N
     run_edits_stage(cfg, lm, sel, rule, out, stages, pairs)
     pairs.keep(())
     compose_summary = run_compose_stage(cfg, lm, out, stages)
-    manifest = write_manifest(cfg, lm, sel, compose_summary, out, {**stages.wall, "total": time.perf_counter() - t0})
+    manifest = write_manifest(cfg, lm, sel, compose_summary, out, {**stages.wall, "total": time.perf_counter() - t0},
+                              run_profile(stages, sel, out))
     if rule is not None:
         export_topk(out)
     return manifest
@@ -371,7 +379,8 @@ def select_cases(cfg: RunConfig, lm, sel: Selection, out: Path, stages: Stages, 
         return pd.DataFrame([row])
 
     tick = stages.progress("validity", len(sel.aligned))
-    validity = stages.run("validity", lambda: _per_case(CaseStore(out, "validity"), sel.aligned.items(), check, tick))
+    validity = stages.run("validity", lambda: _per_case(CaseStore(out, "validity"), sel.aligned.items(), check, tick,
+                                                        stages.case_s.setdefault("validity", {})))
     atomic_write_parquet(validity, out / VALIDITY)
     sel.validity = validity
     keep = validity.valid if cfg.valid_only else validity.valid | ~validity.control
@@ -429,7 +438,8 @@ def run_edits_stage(cfg: RunConfig, lm, sel: Selection, rule, out: Path, stages:
         return edit_case(lm, case, base, cot, cfg.min_flip, ranking=rule, seed=cfg.seed, model_name=cfg.model,
                          old_cache=old_cache, sweep=sweep)
 
-    edits = stages.run("edits", lambda: _per_case(CaseStore(out, "edits"), edit_items, edit_one, tick))
+    edits = stages.run("edits", lambda: _per_case(CaseStore(out, "edits"), edit_items, edit_one, tick,
+                                                  stages.case_s.setdefault("edits", {})))
     if not learned and "ranking" in edits:  # parts stored by a version that ranked with an empty rule
         edits = edits[edits.ranking.ne("causal")]
     atomic_write_parquet(edits, out / EDITS)
@@ -449,9 +459,33 @@ def run_compose_stage(cfg: RunConfig, lm, out: Path, stages: Stages) -> list[dic
     return summarize_compose(composed).to_dict("records")
 
 
+PROFILED = ("validity", "locality", "attention", "knockout", "linear", "edits", "compose")
+
+
+def run_profile(stages: Stages, sel: Selection, out: Path) -> dict:
+    """What the run cost, in prefill-equivalents: each stage's time over one full prefill of a
+    prompt, measured in the same run (the oracle's repair: a prefill of the new prompt's [0, D),
+    median over the valid cases). ``per_valid_case``: stage time / valid decision cases / that;
+    ``cases``: per stage, each case computed in this session (a resumed case has no time)."""
+    edits = pd.read_parquet(out / EDITS) if (out / EDITS).exists() else pd.DataFrame()
+    if edits.empty or "wall_s" not in edits:
+        return {}
+    oracle = edits[(edits.strategy == "oracle") & (edits.cot == 0) & edits.case_id.isin(sel.valid_ids)].wall_s
+    prefill_s = float(oracle.median()) if len(oracle) else float("nan")
+    n = len(sel.valid_ids)
+    if not n or not prefill_s > 0:
+        return {}
+    per = {st: round(stages.wall[st] / n / prefill_s, 3) for st in PROFILED if st in stages.wall}
+    return {"prefill_s": round(prefill_s, 4), "valid_cases": n, "per_valid_case": per,
+            "total_per_valid_case": round(sum(per.values()), 3),
+            "cases": {st: {key: round(sec / prefill_s, 3) for key, sec in times.items()}
+                      for st, times in stages.case_s.items() if times}}
+
+
 def write_manifest(cfg: RunConfig, lm, sel: Selection, compose_summary: list[dict], out: Path,
-                   wall_s: dict[str, float]) -> dict:
-    """manifest.json: config, model fingerprint, versions, counts and skip reasons, wall time per stage."""
+                   wall_s: dict[str, float], profile: dict | None = None) -> dict:
+    """manifest.json: config, model fingerprint, versions, counts and skip reasons, wall time per
+    stage, and the run's cost in prefill-equivalents (:func:`run_profile`)."""
     validity = sel.validity
     manifest = {
         "kvprobe_run": 1, "config": cfg.model_dump(), "model": lm.fingerprint(), "model_info": lm.info.as_dict(),
@@ -468,6 +502,7 @@ def write_manifest(cfg: RunConfig, lm, sel: Selection, compose_summary: list[dic
         "compose": compose_summary,
         "tables": sorted(p.name for p in out.glob("*.parquet")),
         "wall_s": {k: round(v, 2) for k, v in wall_s.items()},
+        "prefill_equivalents": profile or {},
     }
     atomic_write_json(manifest, out / MANIFEST)
     return manifest

@@ -162,3 +162,26 @@ def test_the_configured_erratum_template_reaches_the_editor_and_topk(lm, tmp_pat
     edits = pd.read_parquet(tmp_path / EDITS)
     assert {"erratum:short", "field_erratum"} <= set(edits.strategy) and "erratum" not in set(edits.strategy)
     assert yaml.safe_load((tmp_path / "topk.yaml").read_text())["erratum_template"] == SHORT_ERRATUM
+
+
+def test_each_case_is_prefilled_once_and_the_cost_is_in_the_manifest(lm, tmp_path, monkeypatch):
+    """Validity builds each case's caches; every later stage reuses them (no second build), and the
+    manifest says what each stage cost in prefill-equivalents (over the oracle's prefill)."""
+    from kvprobe.probes import engine
+
+    built = []
+    real = engine.PairCaches.build.__func__
+
+    def counting(cls, lm_, a, residuals=False):
+        built.append(a.case.case_id)
+        return real(cls, lm_, a, residuals)
+
+    monkeypatch.setattr(engine.PairCaches, "build", classmethod(counting))
+    cfg = P.RunConfig(**{**SMALL, "probes": ["locality", "attention", "knockout", "linear"]})
+    manifest = P.run(cfg, tmp_path, lm=lm)
+    assert sorted(built) == sorted(set(built)) and len(built) == manifest["counts"]["aligned"]
+    profile = manifest["prefill_equivalents"]
+    assert profile["prefill_s"] > 0 and profile["valid_cases"] == manifest["counts"]["probed_decision"]
+    assert {"validity", "locality", "attention", "knockout", "linear", "edits"} <= set(profile["per_valid_case"])
+    assert profile["total_per_valid_case"] == pytest.approx(sum(profile["per_valid_case"].values()), abs=0.01)
+    assert len(profile["cases"]["validity"]) == manifest["counts"]["aligned"]
