@@ -7,7 +7,12 @@ token. Many patched caches go through one decode step as a batch, so a single-po
 over an L-token prompt costs L one-token reads, not L forward passes.
 
 All caches here hold positions [0, D) of a prompt; the decision token (position D) is fed at
-read time.
+read time. A read that needs only the options' scores asks for those vocabulary columns
+(``columns=``), so the LM head's projection onto the whole vocabulary is skipped.
+
+:class:`PairCaches` are one case's two caches and decision logits, built in one pass (the prefix
+before the field once, the two rests as a batch of two); :class:`PairMemo` keeps them for every
+stage of a run, so a case is prefilled once however many probes read it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Linear probes: at which depth is the conclusion written into the notes, and when does it commit?
 
 Population-level, not per case: every decision case gives two samples, its old and its new
-prompt (the conclusion flips with the value). Each sample is prefilled once (positions [0, D],
-the decision token included) and read out layer by layer at three sites:
+prompt (the conclusion flips with the value). Both prompts of a case run once through the decision
+token (in ``kvprobe run``, the validity pass that builds the case's caches, :class:`PairMemo`, records
+every layer's residual stream too, so this probe runs no forward pass of its own) and are read out
+layer by layer at three sites:
 
 - ``field``: the mean over the field span of K, V (cache, heads flattened) and the residual;
 - ``notes``: the mean over the note positions of K, V and the residual. Note positions are an
