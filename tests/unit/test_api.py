@@ -82,7 +82,10 @@ def test_generate_reads_the_same_first_token_as_the_logits(toy, cases):
 def test_a_user_loaded_model_and_nnsight_give_the_spec_paths_logits(cases, attn):
     """The bundled smollm2-135m by spec, and its folder loaded by transformers and wrapped by
     nnsight, under the same attention implementation: the same decision logits for every repair.
-    (Eager and sdpa kernels differ by about 2.5e-5 on this model, with or without kvprobe.)"""
+    (Eager and sdpa kernels differ by about 2.5e-5 on this model, with or without kvprobe. A spec
+    loaded with eager attention runs kvprobe's grouped eager attention, kvprobe.models.attention,
+    while a model the user loaded keeps transformers' own: the same arithmetic in another order,
+    1.8e-5 apart here, so both paths are held to 5e-5.)"""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvprobe.models import fetch
@@ -101,7 +104,7 @@ def test_a_user_loaded_model_and_nnsight_give_the_spec_paths_logits(cases, attn)
     for lm in (kvprobe.load(model, tokenizer), kvprobe.load(wrapped)):
         for s, logits in ref.items():
             got = context_of(lm, case).edit(strategy=s, **{case.field: case.new_value}).logits
-            assert (got - logits).abs().max().item() <= 1e-5, (s, (got - logits).abs().max().item())
+            assert (got - logits).abs().max().item() <= 5e-5, (s, (got - logits).abs().max().item())
 
 
 def test_unsupported_models_are_refused_in_one_line():
