@@ -3,7 +3,7 @@ one dataset (e.g. --dtype float32 and --dtype bfloat16), compared on the cases v
 
     python scripts/dtype_compare.py results/run84 results/run84-bf16
 
-Prints, per edit strategy (no CoT, decision cases valid in both runs), the agreement with the
+Prints, per edit strategy (no CoT, decision cases valid in both runs and rows both hold), the agreement with the
 oracle and the mean recovery in each folder and their difference; the locality probe's recovery
 by patch set; K* from each topk.yaml; the validity counts; and each stage's wall time with the
 speed ratio.
@@ -52,6 +52,8 @@ def main() -> None:
         return e[(e.cot == 0) & ~e.control & e.case_id.isin(common) & e.error.isna()]
 
     ea, eb = edits(A), edits(B)
+    keys = ea[["case_id", "strategy"]].merge(eb[["case_id", "strategy"]])  # rows both runs have (the K sweep's
+    ea, eb = (e.merge(keys) for e in (ea, eb))  # held-out cases depend on the valid set)
     print(f"\n{'strategy':<24} {'n':>3} {dt[0] + ' agree':>15} {dt[1] + ' agree':>15} {'diff':>6} "
           f"{dt[0] + ' recovery':>18} {dt[1] + ' recovery':>18} {'diff':>6}")
     worst = {"agree": (0.0, ""), "recovery": (0.0, "")}
