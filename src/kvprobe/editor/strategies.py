@@ -161,23 +161,19 @@ def _selected(ctx: EditContext, downstream: list[int]) -> Edited:
 
 
 def apply_selective_many(ctx: EditContext, strategies: list["Selective"]) -> list[Edited]:
-    """Several ``selective`` strategies on one case (a K sweep), the same caches as applying each,
-    recomputed as one batched forward per K. Each row's ``wall_s`` is its batch's time shared
-    equally by the batch's rows."""
-    out: dict[int, Edited] = {}
-    by_k: dict[int, list[int]] = {}
-    for i, s in enumerate(strategies):
+    """Several ``selective`` strategies of one K on one case (a K sweep's rankings), the same
+    caches as applying each, recomputed as one batched forward. Each row's ``wall_s`` is the
+    batch's time shared equally by its rows."""
+    assert len({s.k for s in strategies}) == 1, "apply_selective_many takes strategies of one K"
+    for s in strategies:
         s.check(ctx.lm, ctx.a)
-        by_k.setdefault(s.k, []).append(i)
     f0, f1 = ctx.a.field
-    for idx in by_k.values():
-        start = time.perf_counter()
-        sets = [list(range(f0, f1)) + rank_downstream(ctx, strategies[i].ranking)[: strategies[i].k] for i in idx]
-        caches = recompute_many(ctx.lm, ctx.old_cache, ctx.a.ids_new, sets)
-        share = (time.perf_counter() - start) / len(idx)
-        for i, cache, positions in zip(idx, caches, sets):
-            out[i] = Edited(cache, [ctx.a.ids_new[ctx.D]], len(positions), ctx.D + 1, wall_s=share)
-    return [out[i] for i in range(len(strategies))]
+    start = time.perf_counter()
+    sets = [list(range(f0, f1)) + rank_downstream(ctx, s.ranking)[: s.k] for s in strategies]
+    caches = recompute_many(ctx.lm, ctx.old_cache, ctx.a.ids_new, sets)
+    share = (time.perf_counter() - start) / len(strategies)
+    return [Edited(cache, [ctx.a.ids_new[ctx.D]], len(positions), ctx.D + 1, wall_s=share)
+            for cache, positions in zip(caches, sets)]
 
 
 def _erratum_ids(lm, a, template: str, value_in_prompt: str, at: str = "question") -> list[int]:

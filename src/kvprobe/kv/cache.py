@@ -75,6 +75,11 @@ def to_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [get_kv(cache, i) for i in range(n_layers(cache))]
 
 
+def nbytes(cache: DynamicCache) -> int:
+    """Bytes held by a cache's keys and values."""
+    return sum(k.numel() * k.element_size() * 2 for k, _ in to_tensors(cache))
+
+
 def copy(cache: DynamicCache) -> DynamicCache:
     """A deep copy: edits to it never reach the original."""
     return from_tensors([(k.clone(), v.clone()) for k, v in to_tensors(cache)])

@@ -108,9 +108,7 @@ def decide_batch(lm, edited: Sequence[Edited], batch_bytes: int = 768 * 2**20) -
     shapes = {(kvcache.seq_len(e.cache), tuple(e.tail_ids)) for e in edited}
     assert len(shapes) == 1, "decide_batch reads states of one cache length and tail"
     (_, tail), = shapes
-    first = kvcache.to_tensors(edited[0].cache)
-    per_row = sum(k.numel() * k.element_size() * 2 for k, _ in first)
-    per = max(1, batch_bytes // max(1, per_row))
+    per = max(1, batch_bytes // max(1, kvcache.nbytes(edited[0].cache)))
     out = []
     for lo in range(0, len(edited), per):
         chunk = edited[lo : lo + per]

@@ -100,8 +100,7 @@ def pair_pass(lm, a: AlignedCase, start: int, prefix: DynamicCache | None = None
     return out.logits[:, -1], cache, torch.stack(got, 1) if residuals else None
 
 
-def cache_bytes(cache: DynamicCache) -> int:
-    return sum(k.numel() * k.element_size() * 2 for k, _ in kvcache.to_tensors(cache))
+cache_bytes = kvcache.nbytes  # bytes of one cache (kept under this name for the probes)
 
 
 @torch.no_grad()
