@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 TIMING = ("wall_s", "decide_s", "setup_s", "seconds", "elapsed_s", "train_wall_s")
+NOISE = 1e-4  # what float order (another CPU's kernels) may move a value by, in logits: see pinned_notes
 
 
 # Ratios over a case's oracle flip (m_oracle - m_stale): where the flip is below MIN_FLIP logits
@@ -26,6 +28,34 @@ TIMING = ("wall_s", "decide_s", "setup_s", "seconds", "elapsed_s", "train_wall_s
 # times the flip: a random-weight model's 1e-3 flip turns 1e-7 of rounding into 1e-4 of ratio.
 RATIOS = ("recovery", "region_share", "topk_share", "kind_share")
 MIN_FLIP = 1.0
+
+
+# Verdicts at a threshold: a row of metric "flip" (the arg-max option moved) or "agree" (it equals
+# the oracle's) is a step function of the option scores. Where the decision's margin, |m| of the
+# same read or of the read it is judged against (m_stale, m_oracle), is within NOISE of 0, another
+# CPU may land on the other side: such rows are set aside and counted, never silently.
+VERDICTS = ("flip", "agree")
+
+
+def near_threshold(x: pd.DataFrame, noise: float = NOISE) -> np.ndarray:
+    """Rows of ``x`` that are verdicts (:data:`VERDICTS`) whose margin is within ``noise`` of 0."""
+    out = np.zeros(len(x), dtype=bool)
+    if not {"metric", "value"} <= set(x.columns):
+        return out
+    verdict = x["metric"].isin(VERDICTS).to_numpy()
+    if not verdict.any():
+        return out
+    margin = np.full(len(x), np.inf)
+    for ref in ("m_stale", "m_oracle"):
+        if ref in x:
+            margin = np.minimum(margin, x[ref].astype(float).abs().fillna(np.inf).to_numpy())
+    keys = [c for c in x.columns if c not in ("metric", "value") and c not in TIMING]
+    ms = x[x["metric"] == "m"]
+    if len(ms):
+        key = lambda df: [tuple(map(str, r)) for r in df[keys].itertuples(index=False)]  # noqa: E731
+        m_of = dict(zip(key(ms), ms["value"].astype(float).abs()))
+        margin = np.minimum(margin, np.array([m_of.get(k, np.inf) for k in key(x)]))
+    return verdict & (margin < noise)
 
 
 def max_abs_diff(x: pd.DataFrame, y: pd.DataFrame) -> float:
@@ -39,6 +69,7 @@ def max_abs_diff(x: pd.DataFrame, y: pd.DataFrame) -> float:
         scale[small] = flip[small]
     if {"metric", "value", "n_tokens", "case_id"} <= set(x.columns) and (x["metric"] == "kind_mean_abs").any():
         scale = np.minimum(scale, _share_denominators(x))
+    scale[near_threshold(x) | near_threshold(y)] = 0.0  # set aside, counted by compare()
     worst = 0.0
     for col in x.columns:
         a, b = x[col], y[col]
@@ -106,12 +137,91 @@ def compare(before: Path, after: Path, ignore: set[str], atol: float = 0.0) -> l
             if worst > atol:
                 lines.append(f"DIFF {name}: {str(exc).splitlines()[0]} (largest difference {worst:.3g})")
                 continue
+            aside = int((near_threshold(x) | near_threshold(y)).sum())
             lines.append(f"within {atol:g} {name}: {x.shape[0]} rows x {x.shape[1]} columns, largest difference "
-                         f"{worst:.3g}" + (f" (ignored {', '.join(drop)})" if drop else ""))
+                         f"{worst:.3g}" + (f" (ignored {', '.join(drop)})" if drop else "")
+                         + (f"; {aside} verdict row(s) within {NOISE:g} of their threshold set aside" if aside else ""))
             continue
         lines.append(f"identical {name}: {x.shape[0]} rows x {x.shape[1]} columns"
                      + (f" (ignored {', '.join(drop)})" if drop else ""))
     return lines
+
+
+# -- reference tables on another CPU ---------------------------------------------------------------
+# Kernels differ between the CPU kinds this project runs on (AVX2, AVX-512, AMX), so the same run's
+# float32 values differ in their last bits: up to 2e-5 logits in these tables between a Zen 3 and the
+# Intel Xeon that passed (issue 36), 1e-5 between kvprobe's grouped eager attention on 1 thread and
+# transformers' eager on 2. NOISE = 1e-4 is five times the largest seen. A continuous value is
+# compared within it. A *choice* made by ranking continuous values is not continuous: the notes are
+# the downstream positions ranked by single-position patch effect, and when the k-th and the
+# (k+1)-th effect lie within 2 x NOISE of each other (a toy model's 7th to 9th notes have effects
+# of 1e-6 logits, a few float32 ulps of the m they are differences of), another CPU may pick
+# another set. Every table built on that set (the edge knockout's top-k rows, the linear probe's
+# notes site, trained on the notes' K/V) then moves by whole steps (issue 36: one top-8 set,
+# m 6.6860 against 6.6893, and acc_shuffled by 0.25). Such a set is *pinned* to the reference's
+# ranking (:func:`pinned_notes`), and only such a set: the comparison of everything built on it
+# stays exact to NOISE, and the pinned sets are named and counted.
+NOTE_KS = (8,)  # the set sizes the run's stages read: knockout's top-k (ks=(8,)), linear's notes[:8]
+
+
+def note_order(locality: pd.DataFrame) -> dict[str, list[tuple[int, float]]]:
+    """Per case, (downstream position, signed effect) largest effect first: the ranking
+    :func:`kvprobe.probes.base.top_notes` takes its notes from."""
+    from kvprobe.probes.base import top_notes, single_position_sweep
+
+    sweep = single_position_sweep(locality, "downstream")
+    signed = {(c, int(p)): float(v) * (1.0 if f >= 0 else -1.0)
+              for c, p, v, f in zip(sweep.case_id, sweep.position, sweep.value, sweep.oracle_flip)}
+    return {c: [(p, signed[c, p]) for p in order] for c, order in top_notes(locality, k=None).items()}
+
+
+def unstable_sets(order: list[tuple[int, float]], ks=NOTE_KS, noise: float = NOISE) -> list[tuple[int, float]]:
+    """(k, gap) for each k whose top-k set is within float noise of its boundary: the k-th and the
+    (k+1)-th effect differ by at most 2 x ``noise``."""
+    return [(k, order[k - 1][1] - order[k][1]) for k in ks
+            if k < len(order) and order[k - 1][1] - order[k][1] <= 2 * noise]
+
+
+@contextmanager
+def pinned_notes(reference: Path, ks=NOTE_KS, noise: float = NOISE):
+    """While active, a run ranks its notes as it always does, except a case whose top-k set differs
+    from the reference's *and* sits within float noise of its boundary in the reference: that case
+    takes the reference's ranking. Yields the list of (case_id, k, gap) pinned, filled as the run
+    goes. A set that differs by more than noise is left as the run computed it, so a real change
+    still shows in every table built on it."""
+    from kvprobe.probes import base, knockout, linear
+
+    ref = note_order(pd.read_parquet(reference / "locality.parquet"))
+    pinned: list[tuple[str, int, float]] = []
+    real = base.top_notes
+
+    def top_notes(locality: pd.DataFrame, k: int | None = 8) -> dict[str, list[int]]:
+        own = real(locality, k=None)
+        for case, order in own.items():
+            if case not in ref:
+                continue
+            ref_order = [p for p, _ in ref[case]]
+            for kk, gap in unstable_sets(ref[case], ks, noise):
+                if set(order[:kk]) != set(ref_order[:kk]):
+                    own[case] = ref_order
+                    if (case, kk, gap) not in pinned:
+                        pinned.append((case, kk, gap))
+        return {c: o[:k] for c, o in own.items()}
+
+    saved = knockout.top_notes, linear.top_notes
+    knockout.top_notes = linear.top_notes = top_notes
+    try:
+        yield pinned
+    finally:
+        knockout.top_notes, linear.top_notes = saved
+
+
+def pinned_lines(pinned: list[tuple[str, int, float]]) -> list[str]:
+    """One line naming the note sets :func:`pinned_notes` pinned (their count first)."""
+    if not pinned:
+        return ["pinned 0 note sets: every top-k set the run read is its own"]
+    return [f"pinned {len(pinned)} note set(s) within float noise of their boundary to the reference's: "
+            + ", ".join(f"{c} top-{k} (gap {g:.2g} logits)" for c, k, g in pinned)]
 
 
 def main() -> None:

