@@ -4,13 +4,29 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 
 import pytest
 import torch
 
 from kvprobe.models.tiny import tiny_names
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# The suite runs on pytest-xdist's workers (`pytest -n 2`, see docs/testing.md): each worker then
+# computes on one torch thread, and so do the `kvprobe` processes the CLI tests start, so that two
+# workers share the two cores instead of four threads fighting over them. Alone, two threads.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1 if WORKERS > 1 else max(1, min(2, os.cpu_count() or 1)))
+
+# The longest tests start first, so that no worker is left with one of them at the end while the
+# other idles: vLLM's environment and server (minutes), then the rest marked slow.
+LONG_FIRST = ("vllm", "slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = lambda item: next((i for i, m in enumerate(LONG_FIRST) if item.get_closest_marker(m)), len(LONG_FIRST))  # noqa: E731
+    items.sort(key=rank)  # stable: the order within each rank is kept
 
 TINY = tiny_names()  # every family, and the variants
 
@@ -36,6 +52,22 @@ def tiny(request):
     return tiny_model(request.param)
 
 
+def default_sigint() -> None:
+    """In the child: SIGINT to its default, whatever this process had (a pytest-xdist worker, or a
+    job started with ``&``, ignores it, and an ignored signal stays ignored across exec)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _cpu_line() -> str:
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("cpu", Path(__file__).resolve().parents[1] / "scripts" / "cpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.cpu_line()
+
+
 def ids_of(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
     """Random token ids (1, n), avoiding the special ids 0-3."""
     return torch.randint(4, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
@@ -57,6 +89,7 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_terminal_summary(terminalreporter):
+    terminalreporter.line(_cpu_line())  # a red run says which kind of CPU it was (also at the top of .ci/run)
     if _bad_skips:
         terminalreporter.section("skips that are not allowed (only '" + GPU_SKIP + "' may skip)", red=True)
         for nodeid, reason in _bad_skips:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import default_sigint
+
 CLI = [sys.executable, "-c", "from kvprobe.cli.app import main; main()"]
 ARGS = ["run", "--model", "toy-qwen2", "--n", "6", "--probes", "locality", "--strategies", "stale,field_only,oracle",
         "--no-report"]
@@ -28,7 +30,7 @@ def _compare():
 def interrupt_when(out: Path, stage: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Start the run into ``out`` and send SIGINT once ``stage`` has saved its first case part."""
     proc = subprocess.Popen([*CLI, *ARGS, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=default_sigint)
     parts = out / "parts" / stage
     deadline = time.monotonic() + timeout
     while not (parts.exists() and any(parts.glob("*.parquet"))):

@@ -19,7 +19,7 @@ from kvprobe.editor.strategies import parse_strategy
 from kvprobe.sweep.grid import SweepConfig, cell_cases
 from kvprobe.sweep.measure import measure_case
 from kvprobe.sweep.summary import cell_verdicts, layout_verdicts, verdict
-from tests.conftest import tiny_model
+from tests.conftest import default_sigint, tiny_model
 
 CLI = [sys.executable, "-c", "from kvprobe.cli.app import main; main()"]
 ARGS = ["sweep", "--model", "toy-qwen2", "--layouts", "record,lines", "--filler-tokens", "0,40", "--n", "8",
@@ -95,7 +95,7 @@ def test_verdict_rule():
 def test_interrupted_sweep_resumes_without_redoing_cases(swept, tmp_path):
     out = tmp_path / "again"
     proc = subprocess.Popen([*CLI, *ARGS, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=default_sigint)
     parts = out / "parts" / "cells"
     deadline = time.monotonic() + 300
     while not (parts.exists() and len(list(parts.rglob("*.parquet"))) >= 3):
