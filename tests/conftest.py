@@ -9,6 +9,7 @@ import signal
 import pytest
 import torch
 
+from kvprobe.hardware import cpu_line
 from kvprobe.models.tiny import tiny_names
 
 # The suite runs on pytest-xdist's workers (`pytest -n 2`, see docs/testing.md): each worker then
@@ -58,16 +59,6 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _cpu_line() -> str:
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("cpu", Path(__file__).resolve().parents[1] / "scripts" / "cpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.cpu_line()
-
-
 def ids_of(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
     """Random token ids (1, n), avoiding the special ids 0-3."""
     return torch.randint(4, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
@@ -89,7 +80,7 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_terminal_summary(terminalreporter):
-    terminalreporter.line(_cpu_line())  # a red run says which kind of CPU it was (also at the top of .ci/run)
+    terminalreporter.line(cpu_line())  # a red run says which kind of CPU it was (also at the top of .ci/run)
     if _bad_skips:
         terminalreporter.section("skips that are not allowed (only '" + GPU_SKIP + "' may skip)", red=True)
         for nodeid, reason in _bad_skips:

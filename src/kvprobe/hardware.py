@@ -12,18 +12,31 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile")
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    fields: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
 def cpu() -> tuple[str, set[str]]:
     """(model name, flags) from /proc/cpuinfo; the platform's name and no flags elsewhere."""
-    name, flags = platform.processor() or platform.machine(), set()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and not flags:
-                name = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-                break
-    return name, flags
+    fields = _cpuinfo()
+    return fields.get("model name") or platform.processor() or platform.machine(), set(fields.get("flags", "").split())
+
+
+def cpu_line() -> str:
+    """One line naming the CPU kind, for a test log: the project's machines are an AMD EPYC without
+    AVX-512 (Zen 3, family 25 model 1), one with it (Zen 4) or an Intel Xeon with AMX, and their
+    float kernels differ, so a red log must say which it ran on."""
+    fields, (name, flags) = _cpuinfo(), cpu()
+    yes = lambda present: "yes" if present else "no"  # noqa: E731
+    return (f"CPU: {name}, family {fields.get('cpu family', '?')} model {fields.get('model', '?')}, "
+            f"{os.cpu_count()} cores; AVX-512 {yes('avx512f' in flags)}, AMX {yes('amx_tile' in flags)}, "
+            f"native bfloat16 {yes(native_bf16())}")
 
 
 def machine() -> dict:
