@@ -2,6 +2,7 @@
 
     PYTHONPATH=<a checkout>/src python scripts/golden_tables.py tests/data/golden
     PYTHONPATH=<a checkout>/src python scripts/golden_tables.py OUT --only qwen2.5-0.5b   # a real model
+    python scripts/golden_tables.py OUT --other-float-order   # as another CPU would compute them
 
 Runs ``kvprobe run`` for each configuration in :data:`CONFIGS` (tiny and toy models: every probe,
 the default strategies, a K sweep) and keeps each run's tables (parquet) under OUT/<name>/. The
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import tempfile
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 CONFIGS = {
@@ -34,13 +36,33 @@ def run_config(name: str, out: Path) -> Path:
     return out
 
 
+@contextmanager
+def other_float_order():
+    """Runs inside compute in another float order, as another CPU's kernels would: transformers'
+    own eager attention (``repeat_kv``, then one matmul per head group) instead of kvprobe's grouped
+    kernel, on one torch thread. It moves the toy's tables the way a Zen 3 did (issue 36)."""
+    import torch
+
+    import kvprobe.models.load as load
+
+    saved, threads = load.use_grouped, torch.get_num_threads()
+    load.use_grouped = lambda model: None
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        load.use_grouped = saved
+        torch.set_num_threads(threads)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--only", help=f"one configuration: {', '.join([*CONFIGS, *REAL])} (default: the test's)")
+    ap.add_argument("--other-float-order", action="store_true", help="compute as another CPU would (see other_float_order)")
     args = ap.parse_args()
     for name in [args.only] if args.only else CONFIGS:
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory() as tmp, other_float_order() if args.other_float_order else nullcontext():
             folder = run_config(name, Path(tmp) / name)
             dest = args.out / name
             shutil.rmtree(dest, ignore_errors=True)

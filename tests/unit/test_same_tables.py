@@ -16,6 +16,7 @@ acc_shuffled by 0.25) before the pinning. And the check still fails on a deliber
 from __future__ import annotations
 
 import importlib.util
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -42,24 +43,11 @@ def _compare(name: str, out: Path) -> tuple[list[str], list[str]]:
     return lines, compare_runs.pinned_lines(pinned)
 
 
-def _other_float_order(monkeypatch) -> None:
-    """transformers' stock eager attention (no grouped kernel) on 1 torch thread."""
-    import kvprobe.models.load as load
-
-    monkeypatch.setattr(load, "use_grouped", lambda model: None)
-    torch.set_num_threads(1)  # the caller restores the count
-
-
 @pytest.mark.parametrize("order", ["as_built", "other_float_order"])
 @pytest.mark.parametrize("name", list(golden.CONFIGS))
-def test_same_tables_as_before_the_shared_passes(name, order, tmp_path, monkeypatch):
-    threads = torch.get_num_threads()
-    if order == "other_float_order":
-        _other_float_order(monkeypatch)
-    try:
+def test_same_tables_as_before_the_shared_passes(name, order, tmp_path):
+    with golden.other_float_order() if order == "other_float_order" else nullcontext():
         lines, pinned = _compare(name, tmp_path / name)
-    finally:
-        torch.set_num_threads(threads)
     print("\n".join(pinned + lines))
     assert len(lines) >= 5 and not [line for line in lines if line.startswith("DIFF")], "\n".join(pinned + lines)
 
