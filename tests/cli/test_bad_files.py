@@ -18,10 +18,12 @@ import pytest
 
 from kvprobe.models.toy_folder import shipped_dir
 
+from tests import cli_process
+
 
 def kvprobe(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "from kvprobe.cli.app import main; main()", *args],
-                          capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300)
+    """The console entry point in a process of its own (forked from a warm one, tests/cli_process.py)."""
+    return cli_process.run(*args, env={**os.environ, **(env or {})}, timeout=300)
 
 
 def one_line_error(proc: subprocess.CompletedProcess, code: int, *needles: str) -> str:

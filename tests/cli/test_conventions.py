@@ -14,11 +14,20 @@ from pathlib import Path
 
 import pandas as pd
 
+from tests import cli_process
+
 CLI = [sys.executable, "-c", "from kvprobe.cli.app import main; main()"]
 
 
 def kvprobe(*args, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=600, cwd=cwd)
+    """The console entry point in a process of its own (forked from a warm one, tests/cli_process.py)."""
+    return cli_process.run(*args, cwd=cwd, timeout=600)
+
+
+def fresh_kvprobe(*args) -> subprocess.CompletedProcess:
+    """A new Python process, imports and all: for what only a fresh process shows (start-up time, the
+    warnings and progress bars a library prints the first time)."""
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=600)
 
 
 def error_line(proc: subprocess.CompletedProcess, code: int) -> str:
@@ -176,7 +185,7 @@ def test_help_imports_no_model_stack_and_shows_defaults():
             "if m in sys.modules]; print(heavy)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "[]"
     start = time.perf_counter()
-    proc = kvprobe("edit", "--help")
+    proc = fresh_kvprobe("edit", "--help")
     assert proc.returncode == 0 and time.perf_counter() - start < 5
     text = " ".join(proc.stdout.split())
     for needle in ("[default: toy-qwen2]", "[default: 40]", "selective:K:RANKING", "default: stale, field_only",
@@ -203,8 +212,8 @@ def test_cli_help_facts_match_their_homes():
 
 
 def test_plain_progress_and_no_third_party_noise_in_logs(tmp_path):
-    proc = kvprobe("run", "--model", "toy-qwen2", "--n", "3", "--probes", "locality", "--strategies", "stale,oracle",
-                   "--out", tmp_path / "r")
+    proc = fresh_kvprobe("run", "--model", "toy-qwen2", "--n", "3", "--probes", "locality", "--strategies",
+                         "stale,oracle", "--out", tmp_path / "r")
     assert proc.returncode == 0, proc.stderr[-2000:]
     for stage in ("validity: 3/3", "locality: 0/", "edits: 0/"):
         assert stage in proc.stderr, proc.stderr

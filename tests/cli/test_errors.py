@@ -9,10 +9,12 @@ import zipfile
 
 import pytest
 
+from tests import cli_process
+
 
 def kvprobe(*args, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "from kvprobe.cli.app import main; main()", *args],
-                          capture_output=True, text=True, env=env, timeout=300)
+    """The console entry point in a process of its own (forked from a warm one, tests/cli_process.py)."""
+    return cli_process.run(*args, env=env, timeout=300)
 
 
 def one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:

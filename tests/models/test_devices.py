@@ -10,14 +10,15 @@ import sys
 import pytest
 import torch
 
+from tests import cli_process
 from tests.conftest import GPU_SKIP
 
 CLI = [sys.executable, "-c", "from kvprobe.cli.app import main; main()"]
 
 
 def kvprobe(*args) -> subprocess.CompletedProcess:
-    """The console entry point in a process of its own."""
-    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=300)
+    """The console entry point in a process of its own (forked from a warm one, tests/cli_process.py)."""
+    return cli_process.run(*args, timeout=300)
 
 
 @pytest.fixture

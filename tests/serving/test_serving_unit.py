@@ -22,6 +22,7 @@ from kvprobe.results import SERVING, SERVING_MANIFEST
 from kvprobe.serving import measure
 from kvprobe.serving.prompts import (ARMS, MAX_POLICY_TOKENS, arm_values, build_policy, set_values,
                                      unique_values)
+from tests import cli_process
 from tests.serving.conftest import MODEL
 
 
@@ -386,8 +387,7 @@ def test_fire_respects_the_time_bound(fake_vllm):
 # -- one-line errors --------------------------------------------------------------------------------
 def kvprobe(*args, home=None) -> subprocess.CompletedProcess:
     env = {**os.environ, **({"KVPROBE_HOME": str(home)} if home else {})}
-    return subprocess.run([sys.executable, "-c", "from kvprobe.cli.app import main; main()", *args],
-                          capture_output=True, text=True, env=env, timeout=300)
+    return cli_process.run(*args, env=env, timeout=300)
 
 
 def one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:

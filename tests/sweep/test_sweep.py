@@ -19,6 +19,7 @@ from kvprobe.editor.strategies import parse_strategy
 from kvprobe.sweep.grid import SweepConfig, cell_cases
 from kvprobe.sweep.measure import measure_case
 from kvprobe.sweep.summary import cell_verdicts, layout_verdicts, verdict
+from tests import cli_process
 from tests.conftest import default_sigint, tiny_model
 
 CLI = [sys.executable, "-c", "from kvprobe.cli.app import main; main()"]
@@ -28,7 +29,8 @@ TABLES = ("sweep.parquet", "sweep_summary.parquet")
 
 
 def kvprobe(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=600)
+    """The console entry point in a process of its own (forked from a warm one, tests/cli_process.py)."""
+    return cli_process.run(*args, timeout=600)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,149 @@
+"""`kvprobe ARGS` as a real process, without paying torch's and transformers' imports each time.
+
+A CLI test wants what a user gets: a separate process, its exit code, everything it writes to file
+descriptors 1 and 2 (a library's C-level warnings and log lines too), its own signals, working
+directory and environment. Starting ``python -c "from kvprobe.cli.app import main; main()"`` gives
+all that, and spends about 4 s of every call importing torch and transformers before the command
+looks at its input: over a hundred calls, the largest part of the suite's time.
+
+So each test process keeps one *fork server* (the idea of multiprocessing's ``forkserver``): a
+fresh Python that sets the environment defaults ``main`` sets, imports the model stack and
+kvprobe's modules, and runs nothing else (no torch thread pool exists yet, so forking is safe).
+Each call forks it: the child takes the call's argv, environment and working directory, stdin from
+/dev/null and stdout/stderr into files, default signal handlers, clears the caches that read the
+environment, runs ``main()`` as the interpreter would (an escaping exception prints its traceback
+and exits 1; atexit handlers run), and exits. :func:`run` returns a ``subprocess.CompletedProcess``
+like ``subprocess.run(..., capture_output=True, text=True)``.
+
+What it does not give: a test of how fast a fresh process starts, or of the import of the model
+stack itself; those tests start a plain process (``tests/cli/test_conventions.py``'s ``--help``
+timing, the interrupt tests).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SERVER = r'''
+import io, json, os, signal, sys, traceback
+
+from kvprobe.cli import app as cli_app
+
+cli_app._quiet_third_parties()  # what main() sets before a command imports the model stack
+import torch, transformers  # noqa: E401,F401
+import kvprobe.pipeline, kvprobe.editor.runner, kvprobe.sweep.grid  # noqa: E401,F401
+assert "kvprobe.serving.env" not in sys.modules  # it sets an environment variable when imported
+from kvprobe.models.adapter import families
+
+reply = os.fdopen(int(sys.argv[1]), "w")
+for line in sys.stdin:
+    req = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+                signal.signal(sig, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, req["stdout"], os.O_WRONLY),
+                                   (2, req["stderr"], os.O_WRONLY)):
+                os.dup2(os.open(path, mode), fd)
+            os.chdir(req["cwd"])
+            os.environ.clear()
+            os.environ.update(req["env"])
+            sys.argv = ["kvprobe", *req["args"]]
+            families.cache_clear()  # rereads $KVPROBE_FAMILY_PATH
+            try:
+                cli_app.main()
+                code = 0
+            except SystemExit as exc:
+                if exc.code is None or isinstance(exc.code, int):
+                    code = exc.code or 0
+                else:
+                    print(exc.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+            try:
+                import atexit
+                atexit._run_exitfuncs()
+            except BaseException:
+                traceback.print_exc()
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except BaseException:
+                    pass
+            os._exit(code)
+    reply.write(json.dumps({"pid": pid}) + "\n"); reply.flush()
+    _, status = os.waitpid(pid, 0)
+    reply.write(json.dumps({"code": os.waitstatus_to_exitcode(status)}) + "\n"); reply.flush()
+'''
+
+_server: dict = {}
+
+
+def _start() -> dict:
+    r, w = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(w)], stdin=subprocess.PIPE, pass_fds=(w,),
+                            text=True, stdout=subprocess.DEVNULL)
+    os.close(w)
+    server = {"proc": proc, "reply": os.fdopen(r, "r")}
+    atexit.register(_stop, server)
+    return server
+
+
+def _stop(server: dict) -> None:
+    proc = server["proc"]
+    if proc.poll() is None:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _read(server: dict, deadline: float) -> dict:
+    reply = server["reply"]
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([reply], [], [], left)[0]:
+            raise TimeoutError
+        line = reply.readline()
+        if not line:
+            raise RuntimeError(f"the kvprobe fork server died (exit {server['proc'].wait()})")
+        return json.loads(line)
+
+
+def run(*args, env: dict | None = None, cwd: str | Path | None = None, timeout: float = 600
+        ) -> subprocess.CompletedProcess:
+    """``kvprobe ARGS`` in a forked process: exit code, stdout and stderr as text. ``env`` replaces
+    the environment (as ``subprocess.run(env=...)``), ``cwd`` the working directory."""
+    args = [str(a) for a in args]
+    if not _server or _server["proc"].poll() is not None:
+        _server.clear()
+        _server.update(_start())
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        out.touch(), err.touch()
+        request = {"args": args, "env": dict(os.environ if env is None else env), "cwd": str(cwd or os.getcwd()),
+                   "stdout": str(out), "stderr": str(err)}
+        _server["proc"].stdin.write(json.dumps(request) + "\n")
+        _server["proc"].stdin.flush()
+        deadline = time.monotonic() + timeout
+        pid = _read(_server, deadline)["pid"]
+        try:
+            code = _read(_server, deadline)["code"]
+        except TimeoutError:
+            os.kill(pid, 9)
+            _read(_server, time.monotonic() + 30)
+            raise subprocess.TimeoutExpired(["kvprobe", *args], timeout, out.read_text(), err.read_text()) from None
+        return subprocess.CompletedProcess(["kvprobe", *args], code, out.read_text(), err.read_text())
