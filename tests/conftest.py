@@ -29,6 +29,7 @@ def pytest_collection_modifyitems(config, items):
     rank = lambda item: next((i for i, m in enumerate(LONG_FIRST) if item.get_closest_marker(m)), len(LONG_FIRST))  # noqa: E731
     items.sort(key=rank)  # stable: the order within each rank is kept
 
+
 TINY = tiny_names()  # every family, and the variants
 
 
@@ -54,8 +55,8 @@ def tiny(request):
 
 
 def default_sigint() -> None:
-    """In the child: SIGINT to its default, whatever this process had (a pytest-xdist worker, or a
-    job started with ``&``, ignores it, and an ignored signal stays ignored across exec)."""
+    """In the child: SIGINT to its default, whatever this process had (a job started with ``&``
+    ignores it, and an ignored signal stays ignored across exec)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 

