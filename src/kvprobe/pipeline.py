@@ -53,6 +53,7 @@ from kvprobe.results import (
     atomic_write_json,
     atomic_write_parquet,
     claim_folder,
+    claim_inputs,
 )
 
 ALL_PROBES = tuple(STAGES)  # every registered probe, in registration order
@@ -315,6 +316,7 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None, cases: list | N
     sel = prepare(cfg, lm, cases)
     out.mkdir(parents=True, exist_ok=True)
     claim_folder(out, RUN_CLAIM, cfg.model_dump(), settle=settled)
+    claim_inputs(out, lm, cases)
     # each case's two caches (and residual streams, for the linear probe): prefilled once, at
     # validity, for every later stage
     pairs = PairMemo(lm, residuals="linear" in cfg.probes)

@@ -97,6 +97,50 @@ def refuse_foreign(folder: Path | str, own: str) -> None:
                          f"empty --out")
 
 
+INPUTS = "inputs.json"  # what a folder's rows were computed from: the model's and each case's fingerprint
+MODEL_KEYS = ("family", "config_hash", "weights_hash", "tokenizer_hash")  # content, not the spec's path
+
+
+def case_digest(case) -> str:
+    """A case's content hash: every field of the case, so an edit that keeps its id changes it."""
+    data = case.model_dump(mode="json") if hasattr(case, "model_dump") else vars(case)
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def claim_inputs(folder: Path | str, lm, cases=()) -> None:
+    """Record, or on a resume check, what the folder's rows are computed from: the model's content
+    (config, weights and tokenizer hashes, whatever path or spec names it) and each case's content
+    (``cases``: the cases, keyed by case id, or a dict of key -> case where ids repeat, e.g. per cell).
+
+    A claim names settings and paths; a dataset edited in place under the same case ids, or a model
+    folder replaced under the same path, would otherwise resume from rows computed from the old
+    ones. So the folder is refused, in one line, when the model differs or when a case it has seen
+    now has other content (the folder's rows for it may be done: kvprobe refuses rather than mix);
+    new case ids are added. A folder written before this file existed is fingerprinted as it is.
+    Call it after :func:`claim_folder`, once the model is loaded."""
+    path = Path(folder) / INPUTS
+    fp = lm.fingerprint()
+    items = cases.items() if isinstance(cases, dict) else ((c.case_id, c) for c in cases)
+    now = {"model": {k: fp[k] for k in MODEL_KEYS}, "cases": {key: case_digest(c) for key, c in items}}
+    if path.exists():
+        try:
+            stored = json.loads(path.read_text())
+            model, seen = dict(stored["model"]), dict(stored["cases"])
+        except (ValueError, KeyError, TypeError):
+            raise KvprobeError(f"{path} is not a kvprobe inputs file; remove the folder or choose another --out") from None
+        if model != now["model"]:
+            differ = [k for k in MODEL_KEYS if model.get(k) != now["model"][k]]
+            raise UsageError(f"{folder} holds rows computed from another model ({', '.join(differ)} differ from "
+                             f"{fp['spec']}'s); choose another --out or remove it")
+        changed = sorted(c for c, h in now["cases"].items() if c in seen and seen[c] != h)
+        if changed:
+            raise UsageError(f"{folder} holds rows computed from other contents of {len(changed)} case(s) "
+                             f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}): the dataset changed "
+                             f"under the same case ids; choose another --out or remove it")
+        now["cases"] = {**seen, **now["cases"]}
+    atomic_write_json(now, path)
+
+
 def claim_folder(folder: Path | str, name: str, config: dict, settle=lambda stored: stored,
                  held: str = "run with a different configuration") -> None:
     """Record ``config`` as ``<folder>/<name>``, or, when a run already left one there, refuse the

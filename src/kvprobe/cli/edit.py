@@ -31,7 +31,7 @@ def edit(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "defau
     from kvprobe.editor.runner import align_all, run_edits
     from kvprobe.pipeline import RunConfig, check_cases, load_cases
     from kvprobe.results import (EDIT_CLAIM, EDITS, CaseStore, atomic_write_json, check_case_ids, check_claim,
-                                 claim_folder)
+                                 claim_folder, claim_inputs)
 
     try:
         cfg = RunConfig(model=model, dataset=dataset, strategies=opt.parse_csv(strategies), n=n, seed=seed, cot=opt.parse_ints(cot, "--cot"), form=form, few_shot=few_shot,
@@ -52,6 +52,7 @@ def edit(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "defau
     aligned, _ = align_all(lm, cases, cfg.form)
     check_cases(lm, aligned, cfg.edit_strategies(), cfg.cot, cfg.form)
     claim_folder(out, EDIT_CLAIM, settings, held=held)
+    claim_inputs(out, lm, cases)
     store = CaseStore(out, "edits")
     with progress_bar() as bar:
         task = bar.add_task(f"editing {len(cases)} cases x {len(cfg.cot)} CoT settings",

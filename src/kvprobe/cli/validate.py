@@ -45,7 +45,7 @@ def validate(model: opt.Model = opt.DEFAULTS["model"], n: int = typer.Option(50,
     from kvprobe.composer.gate import run_compose, summarize_compose
     from kvprobe.datasets.skills import check_options
     from kvprobe.results import (COMPOSE, VALIDATE_CLAIM, CaseStore, atomic_write_json, atomic_write_parquet,
-                                 check_claim, claim_folder)
+                                 check_claim, claim_folder, claim_inputs)
 
     seam_list = sorted(set(opt.parse_ints(seams, "--seams")) | {seam})
     bt, nb = opt.parse_ints(block_tokens, "--block-tokens", count=2), opt.parse_ints(blocks, "--blocks", count=2)
@@ -62,6 +62,7 @@ def validate(model: opt.Model = opt.DEFAULTS["model"], n: int = typer.Option(50,
     lm = load_with_status(model, dtype, device, attn=attn, allow_failed_toy=allow_failed_toy, device_map=device_map)
     check_composable(lm)
     claim_folder(out, VALIDATE_CLAIM, config, held="validate run with other settings")
+    claim_inputs(out, lm)  # its queries come from the seed, a claim setting; the model from its content
     start = time.perf_counter()
     with progress_bar() as bar:
         pre = bar.add_task("precompiling skills", total=None)

@@ -45,6 +45,7 @@ from kvprobe.results import (
     atomic_write_json,
     atomic_write_parquet,
     claim_folder,
+    claim_inputs,
 )
 from kvprobe.sweep.measure import measure_case
 from kvprobe.sweep.summary import (
@@ -152,6 +153,7 @@ def run_sweep(cfg: SweepConfig, lm, out: Path | str, progress: Callable[[str, in
     check_policies(strategies, lm)  # an auto:PATH of another model fails here, not once per case
     out.mkdir(parents=True, exist_ok=True)
     claim_folder(out, SWEEP_CLAIM, cfg.settings(), held="sweep with other settings")
+    claim_inputs(out, lm, {f"{cell['cell']}/{a.case.case_id}": a.case for cell, aligned, _ in prepared for a in aligned})
     frames, record = [], {}
     t_start = time.perf_counter()
     for cell, aligned, skipped in prepared:
