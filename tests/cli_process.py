@@ -15,9 +15,9 @@ environment, runs ``main()`` as the interpreter would (an escaping exception pri
 and exits 1; atexit handlers run), and exits. :func:`run` returns a ``subprocess.CompletedProcess``
 like ``subprocess.run(..., capture_output=True, text=True)``.
 
-What it does not give: a test of how fast a fresh process starts, or of the import of the model
-stack itself; those tests start a plain process (``tests/cli/test_conventions.py``'s ``--help``
-timing, the interrupt tests).
+:func:`start` returns at once, for a test that signals the process (Ctrl-C and resume). What it
+does not give: a test of how fast a fresh process starts, or of what a library prints the first
+time it is imported; those tests start a plain process (``tests/cli/test_conventions.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -123,27 +124,59 @@ def _read(server: dict, deadline: float) -> dict:
         return json.loads(line)
 
 
-def run(*args, env: dict | None = None, cwd: str | Path | None = None, timeout: float = 600
-        ) -> subprocess.CompletedProcess:
-    """``kvprobe ARGS`` in a forked process: exit code, stdout and stderr as text. ``env`` replaces
-    the environment (as ``subprocess.run(env=...)``), ``cwd`` the working directory."""
+class Started:
+    """A ``kvprobe`` process started by :func:`start`: ``pid``, ``poll()``, ``send_signal(sig)`` and
+    ``wait(timeout)``, which returns its ``subprocess.CompletedProcess``."""
+
+    def __init__(self, args: list[str], pid: int, tmp: Path):
+        self.args, self.pid, self.tmp, self.returncode = args, pid, tmp, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([_server["reply"]], [], [], 0)[0]:
+            self.returncode = _read(_server, time.monotonic() + 30)["code"]
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def output(self) -> tuple[str, str]:
+        return (self.tmp / "stdout").read_text(), (self.tmp / "stderr").read_text()
+
+    def wait(self, timeout: float = 600) -> subprocess.CompletedProcess:
+        try:
+            if self.returncode is None:
+                try:
+                    self.returncode = _read(_server, time.monotonic() + timeout)["code"]
+                except TimeoutError:
+                    os.kill(self.pid, 9)
+                    _read(_server, time.monotonic() + 30)
+                    raise subprocess.TimeoutExpired(self.args, timeout, *self.output()) from None
+            return subprocess.CompletedProcess(self.args, self.returncode, *self.output())
+        finally:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def start(*args, env: dict | None = None, cwd: str | Path | None = None) -> Started:
+    """Start ``kvprobe ARGS`` in a forked process and return at once (one at a time per test
+    process: the next call waits for this one). ``env`` replaces the environment, ``cwd`` the
+    working directory."""
     args = [str(a) for a in args]
     if not _server or _server["proc"].poll() is not None:
         _server.clear()
         _server.update(_start())
-    with tempfile.TemporaryDirectory() as tmp:
-        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        out.touch(), err.touch()
-        request = {"args": args, "env": dict(os.environ if env is None else env), "cwd": str(cwd or os.getcwd()),
-                   "stdout": str(out), "stderr": str(err)}
-        _server["proc"].stdin.write(json.dumps(request) + "\n")
-        _server["proc"].stdin.flush()
-        deadline = time.monotonic() + timeout
-        pid = _read(_server, deadline)["pid"]
-        try:
-            code = _read(_server, deadline)["code"]
-        except TimeoutError:
-            os.kill(pid, 9)
-            _read(_server, time.monotonic() + 30)
-            raise subprocess.TimeoutExpired(["kvprobe", *args], timeout, out.read_text(), err.read_text()) from None
-        return subprocess.CompletedProcess(["kvprobe", *args], code, out.read_text(), err.read_text())
+    tmp = Path(tempfile.mkdtemp(prefix="kvprobe-cli-"))
+    out, err = tmp / "stdout", tmp / "stderr"
+    out.touch(), err.touch()
+    request = {"args": args, "env": dict(os.environ if env is None else env), "cwd": str(cwd or os.getcwd()),
+               "stdout": str(out), "stderr": str(err)}
+    _server["proc"].stdin.write(json.dumps(request) + "\n")
+    _server["proc"].stdin.flush()
+    return Started(["kvprobe", *args], _read(_server, time.monotonic() + 60)["pid"], tmp)
+
+
+def run(*args, env: dict | None = None, cwd: str | Path | None = None, timeout: float = 600
+        ) -> subprocess.CompletedProcess:
+    """``kvprobe ARGS`` in a forked process: exit code, stdout and stderr as text. ``env`` replaces
+    the environment (as ``subprocess.run(env=...)``), ``cwd`` the working directory."""
+    return start(*args, env=env, cwd=cwd).wait(timeout)

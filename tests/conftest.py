@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import os
-import signal
 
 import pytest
 import torch
@@ -52,12 +51,6 @@ def real_model(alias: str):
 @pytest.fixture(params=TINY)
 def tiny(request):
     return tiny_model(request.param)
-
-
-def default_sigint() -> None:
-    """In the child: SIGINT to its default, whatever this process had (a job started with ``&``
-    ignores it, and an ignored signal stays ignored across exec)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def ids_of(n: int, vocab: int, seed: int = 0) -> torch.Tensor:

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -188,7 +187,5 @@ def test_a_toy_folder_named_toy_something_loads_by_its_relative_path(tmp_path):
     shutil.copytree(shipped_dir("qwen2"), tmp_path / "toy-mine")
     weights = tmp_path / "toy-mine" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100_000])
-    proc = subprocess.run([sys.executable, "-c", "from kvprobe.cli.app import main; main()", "datasets", "check",
-                           "--model", "toy-mine", "--n", "1"], capture_output=True, text=True, cwd=tmp_path,
-                          timeout=300, check=False)
+    proc = cli_process.run("datasets", "check", "--model", "toy-mine", "--n", "1", cwd=tmp_path, timeout=300)
     one_line_error(proc, 3, "toy-mine does not load as a toy model")

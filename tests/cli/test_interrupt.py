@@ -6,15 +6,13 @@ from __future__ import annotations
 import importlib.util
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import default_sigint
+from tests import cli_process
 
-CLI = [sys.executable, "-c", "from kvprobe.cli.app import main; main()"]
 ARGS = ["run", "--model", "toy-qwen2", "--n", "6", "--probes", "locality", "--strategies", "stale,field_only,oracle",
         "--no-report"]
 
@@ -29,22 +27,20 @@ def _compare():
 
 def interrupt_when(out: Path, stage: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Start the run into ``out`` and send SIGINT once ``stage`` has saved its first case part."""
-    proc = subprocess.Popen([*CLI, *ARGS, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=default_sigint)
+    proc = cli_process.start(*ARGS, "--out", out)
     parts = out / "parts" / stage
     deadline = time.monotonic() + timeout
     while not (parts.exists() and any(parts.glob("*.parquet"))):
-        assert proc.poll() is None, f"the run ended before {stage} saved a part: {proc.stderr.read()[-2000:]}"
+        assert proc.poll() is None, f"the run ended before {stage} saved a part: {proc.output()[1][-2000:]}"
         assert time.monotonic() < deadline
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=120)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return proc.wait(timeout=120)
 
 
 @pytest.mark.slow
 def test_sigint_in_locality_and_edits_then_resume_gives_the_same_tables(tmp_path):
-    full = subprocess.run([*CLI, *ARGS, "--out", str(tmp_path / "full")], capture_output=True, text=True, timeout=600)
+    full = cli_process.run(*ARGS, "--out", tmp_path / "full")
     assert full.returncode == 0, full.stderr[-2000:]
 
     out = tmp_path / "resumed"
@@ -57,7 +53,7 @@ def test_sigint_in_locality_and_edits_then_resume_gives_the_same_tables(tmp_path
         assert not (out / "manifest.json").exists()
         assert not list(out.rglob("*.tmp"))  # no half-written file left behind
     assert (out / "locality.parquet").exists() and not (out / "edits.parquet").exists()  # the rerun resumes in edits
-    resumed = subprocess.run([*CLI, *ARGS, "--out", str(out)], capture_output=True, text=True, timeout=600)
+    resumed = cli_process.run(*ARGS, "--out", out)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     compare = _compare()
     lines = compare.compare(tmp_path / "full", out, set(compare.TIMING))

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -16,8 +14,8 @@ from markupsafe import escape
 
 from kvprobe.errors import KvprobeError
 from kvprobe.reports.sweep import render_sweep_report
+from tests import cli_process
 
-CLI = [sys.executable, "-c", "from kvprobe.cli.app import main; main()"]
 ARGS = ["sweep", "--model", "toy-qwen2", "--layouts", "record,lines", "--filler-tokens", "0,40", "--n", "10",
         "--no-report"]
 
@@ -26,8 +24,7 @@ ARGS = ["sweep", "--model", "toy-qwen2", "--layouts", "record,lines", "--filler-
 def swept(tmp_path_factory) -> Path:
     """A finished 2 layouts x 2 lengths sweep of toy-qwen2 (about 10 s)."""
     out = tmp_path_factory.mktemp("sweep-report") / "toy"
-    proc = subprocess.run([*CLI, *ARGS, "--out", str(out)], capture_output=True, text=True, timeout=600,
-                          check=False)
+    proc = cli_process.run(*ARGS, "--out", out)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not (out / "report.html").exists()
     return out

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,9 +19,8 @@ from kvprobe.sweep.grid import SweepConfig, cell_cases
 from kvprobe.sweep.measure import measure_case
 from kvprobe.sweep.summary import cell_verdicts, layout_verdicts, verdict
 from tests import cli_process
-from tests.conftest import default_sigint, tiny_model
+from tests.conftest import tiny_model
 
-CLI = [sys.executable, "-c", "from kvprobe.cli.app import main; main()"]
 ARGS = ["sweep", "--model", "toy-qwen2", "--layouts", "record,lines", "--filler-tokens", "0,40", "--n", "8",
         "--no-report"]
 TABLES = ("sweep.parquet", "sweep_summary.parquet")
@@ -96,16 +94,15 @@ def test_verdict_rule():
 
 def test_interrupted_sweep_resumes_without_redoing_cases(swept, tmp_path):
     out = tmp_path / "again"
-    proc = subprocess.Popen([*CLI, *ARGS, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=default_sigint)
+    proc = cli_process.start(*ARGS, "--out", out)
     parts = out / "parts" / "cells"
     deadline = time.monotonic() + 300
     while not (parts.exists() and len(list(parts.rglob("*.parquet"))) >= 3):
-        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        assert proc.poll() is None, proc.output()[1][-2000:]
         assert time.monotonic() < deadline
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=120)
+    stderr = proc.wait(timeout=120).stderr
     assert proc.returncode == 130, stderr[-2000:]
     assert "rerun the same command to resume" in stderr
     before = {p: p.stat().st_mtime_ns for p in parts.rglob("*.parquet")}
