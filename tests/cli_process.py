@@ -97,13 +97,14 @@ def _start() -> dict:
     proc = subprocess.Popen([sys.executable, "-c", SERVER, str(w)], stdin=subprocess.PIPE, pass_fds=(w,),
                             text=True, stdout=subprocess.DEVNULL)
     os.close(w)
-    server = {"proc": proc, "reply": os.fdopen(r, "r")}
+    server = {"proc": proc, "fd": r, "buf": b""}  # replies are read unbuffered: see _read
     atexit.register(_stop, server)
     return server
 
 
 def _stop(server: dict) -> None:
     proc = server["proc"]
+    os.close(server["fd"])
     if proc.poll() is None:
         proc.stdin.close()
         try:
@@ -112,16 +113,27 @@ def _stop(server: dict) -> None:
             proc.kill()
 
 
-def _read(server: dict, deadline: float) -> dict:
-    reply = server["reply"]
-    while True:
+def _ready(server: dict, wait: float) -> bool:
+    """Whether a whole reply line is at hand, waiting up to ``wait`` seconds for one."""
+    deadline = time.monotonic() + wait
+    while b"\n" not in server["buf"]:
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([reply], [], [], left)[0]:
-            raise TimeoutError
-        line = reply.readline()
-        if not line:
+        if not select.select([server["fd"]], [], [], max(0.0, left))[0]:
+            return False
+        chunk = os.read(server["fd"], 4096)
+        if not chunk:
             raise RuntimeError(f"the kvprobe fork server died (exit {server['proc'].wait()})")
-        return json.loads(line)
+        server["buf"] += chunk
+    return True
+
+
+def _read(server: dict, deadline: float) -> dict:
+    """The next reply line. Read from the raw pipe into our own buffer: a buffered file object could
+    hold a second line (a fast child's exit code) where ``select`` cannot see it."""
+    if not _ready(server, deadline - time.monotonic()):
+        raise TimeoutError
+    line, _, server["buf"] = server["buf"].partition(b"\n")
+    return json.loads(line)
 
 
 class Started:
@@ -132,7 +144,7 @@ class Started:
         self.args, self.pid, self.tmp, self.returncode = args, pid, tmp, None
 
     def poll(self) -> int | None:
-        if self.returncode is None and select.select([_server["reply"]], [], [], 0)[0]:
+        if self.returncode is None and _ready(_server, 0):
             self.returncode = _read(_server, time.monotonic() + 30)["code"]
         return self.returncode
 
