@@ -58,10 +58,10 @@ def near_threshold(x: pd.DataFrame, noise: float = NOISE) -> np.ndarray:
     return verdict & (margin < noise)
 
 
-def max_abs_diff(x: pd.DataFrame, y: pd.DataFrame) -> float:
+def max_abs_diff(x: pd.DataFrame, y: pd.DataFrame, aside: np.ndarray) -> float:
     """The largest absolute difference between the numeric columns of two frames of one shape
-    (NaN where both are NaN counts as equal; ratios of small flips scaled, see :data:`RATIOS`); inf
-    where a NaN stands against a number."""
+    (NaN where both are NaN counts as equal; ratios of small flips scaled, see :data:`RATIOS`; the
+    ``aside`` rows' values left out); inf where a NaN stands against a number."""
     scale = np.ones(len(x))
     if {"metric", "value", "oracle_flip"} <= set(x.columns):
         flip = x["oracle_flip"].astype(float).abs().to_numpy()
@@ -69,7 +69,7 @@ def max_abs_diff(x: pd.DataFrame, y: pd.DataFrame) -> float:
         scale[small] = flip[small]
     if {"metric", "value", "n_tokens", "case_id"} <= set(x.columns) and (x["metric"] == "kind_mean_abs").any():
         scale = np.minimum(scale, _share_denominators(x))
-    scale[near_threshold(x) | near_threshold(y)] = 0.0  # set aside, counted by compare()
+    scale[aside] = 0.0  # verdicts near their threshold (:func:`near_threshold`), counted by compare()
     worst = 0.0
     for col in x.columns:
         a, b = x[col], y[col]
@@ -133,14 +133,14 @@ def compare(before: Path, after: Path, ignore: set[str], atol: float = 0.0) -> l
             except AssertionError as other:
                 lines.append(f"DIFF {name}: {str(other).splitlines()[0]} {str(other).splitlines()[-1][:200]}")
                 continue
-            worst = max_abs_diff(x, y)
+            aside = near_threshold(x) | near_threshold(y)
+            worst = max_abs_diff(x, y, aside)
             if worst > atol:
                 lines.append(f"DIFF {name}: {str(exc).splitlines()[0]} (largest difference {worst:.3g})")
                 continue
-            aside = int((near_threshold(x) | near_threshold(y)).sum())
             lines.append(f"within {atol:g} {name}: {x.shape[0]} rows x {x.shape[1]} columns, largest difference "
                          f"{worst:.3g}" + (f" (ignored {', '.join(drop)})" if drop else "")
-                         + (f"; {aside} verdict row(s) within {NOISE:g} of their threshold set aside" if aside else ""))
+                         + (f"; {aside.sum()} verdict row(s) within {NOISE:g} of their threshold set aside" if aside.any() else ""))
             continue
         lines.append(f"identical {name}: {x.shape[0]} rows x {x.shape[1]} columns"
                      + (f" (ignored {', '.join(drop)})" if drop else ""))
@@ -164,17 +164,6 @@ def compare(before: Path, after: Path, ignore: set[str], atol: float = 0.0) -> l
 NOTE_KS = (8,)  # the set sizes the run's stages read: knockout's top-k (ks=(8,)), linear's notes[:8]
 
 
-def note_order(locality: pd.DataFrame) -> dict[str, list[tuple[int, float]]]:
-    """Per case, (downstream position, signed effect) largest effect first: the ranking
-    :func:`kvprobe.probes.base.top_notes` takes its notes from."""
-    from kvprobe.probes.base import top_notes, single_position_sweep
-
-    sweep = single_position_sweep(locality, "downstream")
-    signed = {(c, int(p)): float(v) * (1.0 if f >= 0 else -1.0)
-              for c, p, v, f in zip(sweep.case_id, sweep.position, sweep.value, sweep.oracle_flip)}
-    return {c: [(p, signed[c, p]) for p in order] for c, order in top_notes(locality, k=None).items()}
-
-
 def unstable_sets(order: list[tuple[int, float]], ks=NOTE_KS, noise: float = NOISE) -> list[tuple[int, float]]:
     """(k, gap) for each k whose top-k set is within float noise of its boundary: the k-th and the
     (k+1)-th effect differ by at most 2 x ``noise``."""
@@ -191,7 +180,7 @@ def pinned_notes(reference: Path, ks=NOTE_KS, noise: float = NOISE):
     still shows in every table built on it."""
     from kvprobe.probes import base, knockout, linear
 
-    ref = note_order(pd.read_parquet(reference / "locality.parquet"))
+    ref = base.ranked_notes(pd.read_parquet(reference / "locality.parquet"))
     pinned: list[tuple[str, int, float]] = []
     real = base.top_notes
 

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 SERVER = r'''
-import io, json, os, signal, sys, traceback
+import json, os, signal, sys, traceback
 
 from kvprobe.cli import app as cli_app
 
@@ -179,7 +179,8 @@ def start(*args, env: dict | None = None, cwd: str | Path | None = None) -> Star
         _server.update(_start())
     tmp = Path(tempfile.mkdtemp(prefix="kvprobe-cli-"))
     out, err = tmp / "stdout", tmp / "stderr"
-    out.touch(), err.touch()
+    out.touch()
+    err.touch()
     request = {"args": args, "env": dict(os.environ if env is None else env), "cwd": str(cwd or os.getcwd()),
                "stdout": str(out), "stderr": str(err)}
     _server["proc"].stdin.write(json.dumps(request) + "\n")

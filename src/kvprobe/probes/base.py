@@ -119,12 +119,19 @@ def single_position_sweep(locality: pd.DataFrame, region: str | None = None) -> 
     return sweep if region is None else sweep[sweep["region"] == region]
 
 
-def top_notes(locality: pd.DataFrame, k: int | None = 8) -> dict[str, list[int]]:
-    """Per case, downstream positions by single-position patch effect toward the oracle, largest
-    first (the notes); the first ``k`` (None: all)."""
+def ranked_notes(locality: pd.DataFrame) -> dict[str, list[tuple[int, float]]]:
+    """Per case, (downstream position, single-position patch effect toward the oracle), largest
+    effect first: the ranking the notes are taken from."""
     sweep = single_position_sweep(locality, "downstream")
     if sweep.empty:
         return {}
     sweep = sweep.assign(signed=sweep.value * sweep.oracle_flip.map(lambda f: 1.0 if f >= 0 else -1.0))
-    return {c: g.sort_values("signed", ascending=False, kind="stable").position.astype(int).tolist()[:k]
-            for c, g in sweep.groupby("case_id")}
+    return {c: [(int(p), float(v)) for p, v in zip(g.position, g.signed)]
+            for c, g in ((c, g.sort_values("signed", ascending=False, kind="stable"))
+                         for c, g in sweep.groupby("case_id"))}
+
+
+def top_notes(locality: pd.DataFrame, k: int | None = 8) -> dict[str, list[int]]:
+    """Per case, downstream positions by single-position patch effect toward the oracle, largest
+    first (the notes); the first ``k`` (None: all)."""
+    return {c: [p for p, _ in order][:k] for c, order in ranked_notes(locality).items()}
