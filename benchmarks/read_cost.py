@@ -19,7 +19,7 @@ from kvprobe.datasets import align
 from kvprobe.kv import cache as kvcache
 from kvprobe.kv.readout import option_columns
 from kvprobe.models import load_model
-from kvprobe.pipeline import RunConfig, load_cases
+from kvprobe.config import RunConfig, load_cases
 
 
 def main() -> None:

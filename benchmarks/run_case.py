@@ -30,7 +30,8 @@ import kvprobe
 from kvprobe.datasets import align
 from kvprobe.kv import cache as kvcache
 from kvprobe.models import load_model
-from kvprobe.pipeline import RunConfig, load_cases, run
+from kvprobe.config import RunConfig, load_cases
+from kvprobe.pipeline import run
 
 STAGES = ("validity", "locality", "attention", "knockout", "linear", "edits")
 

@@ -30,7 +30,8 @@ REAL = {"qwen2.5-0.5b": dict(model="qwen2.5-0.5b", n=5, valid_only=False)}
 
 def run_config(name: str, out: Path) -> Path:
     """Run one configuration into ``out`` (a fresh folder); returns it."""
-    from kvprobe.pipeline import RunConfig, run
+    from kvprobe.config import RunConfig
+    from kvprobe.pipeline import run
 
     run(RunConfig(**{**CONFIGS, **REAL}[name]), out)
     return out

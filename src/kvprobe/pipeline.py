@@ -15,7 +15,6 @@ recomputed)::
 from __future__ import annotations
 
 import hashlib
-import platform
 import random
 import time
 from collections.abc import Callable
@@ -23,22 +22,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvprobe.composer.gate import run_compose, summarize_compose
-from kvprobe.datasets import ERRATUM, ERRATUM_TEMPLATES, Skip, align, require_answers, resolve_dataset
+from kvprobe.config import ALL_PROBES, RunConfig, check_cases, load_cases, settled  # noqa: F401 (ALL_PROBES, load_cases: public here too)
+from kvprobe.datasets import Skip, align, require_answers
 from kvprobe.datasets.tokens import case_tokens
-from kvprobe.defaults import (DEFAULT_FORM, DEFAULT_MIN_FLIP, DEFAULT_MODEL, DEFAULT_N, DEFAULT_STRATEGIES,
-                              checked_form)
 from kvprobe.editor.causal_rule import fit_rule
-from kvprobe.editor.rankings import RANKINGS
 from kvprobe.editor.runner import edit_case
-from kvprobe.editor.strategies import Strategy, parse_strategy
+from kvprobe.editor.strategies import parse_strategy
 from kvprobe.editor.topk import export_topk, kinds_of_top
-from kvprobe.errors import CheckFailed, KvprobeError
+from kvprobe.errors import CheckFailed
 from kvprobe.models import load_model
-from kvprobe.probes import STAGES, Inputs, in_order
+from kvprobe.probes import Inputs, in_order
 from kvprobe.probes.engine import PairMemo
 from kvprobe.probes.field_following import check_case, summarize
 from kvprobe.results import (
@@ -49,159 +44,10 @@ from kvprobe.results import (
     RUN_CLAIM,
     TOKENS,
     VALIDITY,
-    CaseStore,
+    ResultsFolder,
     atomic_write_json,
     atomic_write_parquet,
-    claim_folder,
-    claim_inputs,
 )
-
-ALL_PROBES = tuple(STAGES)  # every registered probe, in registration order
-
-
-class RunConfig(BaseModel):
-    """Everything that defines a run (loadable from YAML; unknown keys are errors)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = DEFAULT_MODEL
-    dataset: str = "default"
-    n: int = Field(DEFAULT_N, ge=1)
-    seed: int = 0
-    form: str = DEFAULT_FORM
-    few_shot: int = Field(0, ge=0)
-    probes: list[str] = list(ALL_PROBES)
-    strategies: list[str] = list(DEFAULT_STRATEGIES)
-    ks: list[int] = [1, 2, 4, 8, 16, 32, 64, 128]
-    rankings: list[str] = ["causal", "random", "attention"]
-    cot: list[int] = [0]
-    min_flip: float = Field(DEFAULT_MIN_FLIP, ge=0)
-    holdout: float = Field(0.5, gt=0, lt=1)
-    valid_only: bool = True  # False: probe every aligned decision case (e.g. a model that does not decide)
-    max_controls: int | None = Field(None, ge=0)  # valid controls carried into the edits (a seeded sample); None = all
-    erratum_template: str = ERRATUM  # what an erratum strategy without its own template uses
-    compose: int = Field(0, ge=0)  # composition-gate queries (kvprobe validate's table); 0 = skip
-    compose_seams: list[int] = [0, 1, 4]
-    dtype: str = "float32"  # float32 (exact tables), bfloat16 or float16
-    device: str = "cpu"  # cpu, cuda, cuda:N
-    device_map: str | None = None  # "auto": spread a model larger than one device (accelerate); overrides device
-
-    @field_validator("probes")
-    @classmethod
-    def _probes(cls, v: list[str]) -> list[str]:
-        bad = [p for p in v if p not in STAGES]  # read at validation time: a probe registered later counts
-        if bad:
-            raise ValueError(f"unknown probe(s) {bad}; accepted: {', '.join(STAGES)}")
-        return v
-
-    @field_validator("form")
-    @classmethod
-    def _form(cls, v: str) -> str:
-        return checked_form(v)
-
-    @field_validator("cot")
-    @classmethod
-    def _cot(cls, v: list[int]) -> list[int]:
-        if not v or min(v) < 0:
-            raise ValueError(f"cot must be a non-empty list of token budgets >= 0 (0 = no chain-of-thought), got {v}")
-        return sorted(set(v))
-
-    @field_validator("strategies")
-    @classmethod
-    def _strategies(cls, v: list[str]) -> list[str]:
-        for s in v:
-            parse_strategy(s)
-        return v
-
-    @field_validator("erratum_template")
-    @classmethod
-    def _erratum_template(cls, v: str) -> str:
-        """A name ("paper", "short") becomes its template, the literal that topk.yaml hands to serving."""
-        return ERRATUM_TEMPLATES.get(v, v)
-
-    @field_validator("compose_seams")
-    @classmethod
-    def _seams(cls, v: list[int]) -> list[int]:
-        if not v or min(v) < 0:
-            raise ValueError(f"compose_seams must be a non-empty list of integers >= 0, got {v}")
-        return sorted(set(v))
-
-    @field_validator("rankings")
-    @classmethod
-    def _rankings(cls, v: list[str]) -> list[str]:
-        bad = [r for r in v if r not in RANKINGS]
-        if bad:
-            raise ValueError(f"unknown ranking(s) {bad}; accepted: {', '.join(RANKINGS)}")
-        return v
-
-    def edit_strategies(self) -> list[Strategy]:
-        """The configured strategies, typed; an erratum given without a template gets ``erratum_template``."""
-        return [parse_strategy(s, template=self.erratum_template) for s in self.strategies]
-
-    @classmethod
-    def from_yaml(cls, path: Path | str, **overrides) -> "RunConfig":
-        """The config in a YAML file (a mapping of RunConfig keys), with ``overrides`` (command-line
-        flags) on top. A bad file is a :class:`KvprobeError` naming it; a bad override, a :class:`UsageError`."""
-        from pydantic import ValidationError
-
-        from kvprobe.errors import UsageError
-
-        keys = ", ".join(cls.model_fields)
-        try:
-            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise KvprobeError(f"config file not found: {path}") from None
-        except IsADirectoryError:
-            raise KvprobeError(f"config {path} is a folder; give a YAML file") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise KvprobeError(f"config {path} cannot be read ({exc.strerror if isinstance(exc, OSError) else exc})"
-                               ) from None
-        except yaml.YAMLError as exc:
-            raise KvprobeError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            kind = {list: "a list", str: "a single string", int: "a single number", float: "a single number",
-                    bool: "a single boolean"}.get(type(data), f"a {type(data).__name__}")
-            raise KvprobeError(f"{path} holds {kind}; a run config is a mapping of RunConfig keys ({keys})")
-        bad = [k for k in data if not isinstance(k, str)]
-        if bad:
-            raise KvprobeError(f"{path}: key {bad[0]!r} is not a name; a run config is a mapping of RunConfig keys "
-                               f"({keys})")
-        try:
-            return cls(**{**data, **overrides})
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            loc = ".".join(map(str, err["loc"]))
-            if err["loc"] and err["loc"][0] in overrides:  # a flag is at fault, not the file
-                raise UsageError.from_validation(exc, "run") from None
-            hint = f"; accepted keys: {keys}" if err["type"] == "extra_forbidden" else ""
-            raise KvprobeError(f"{path}: {loc}: {err['msg']}{hint}") from None
-        except KvprobeError as exc:  # a validator's own one-line error (a bad strategy spec)
-            if "strategies" in overrides:
-                raise
-            raise KvprobeError(f"{path}: {exc}") from None
-
-
-def settled(previous: dict) -> dict | None:
-    """A stored config with today's defaults filled in (so a field added since still matches);
-    None when it no longer validates."""
-    try:
-        return RunConfig(**previous).model_dump()
-    except (ValueError, TypeError):
-        return None
-
-
-def package_versions() -> dict:
-    import importlib.metadata as md
-
-    out = {"python": platform.python_version()}
-    for pkg in ("kvprobe", "torch", "transformers", "pandas", "scikit-learn", "numpy"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = None
-    return out
 
 
 def split_holdout(case_ids: list[str], fraction: float, seed: int) -> tuple[list[str], list[str]]:
@@ -227,26 +73,8 @@ class Stages:
         return out
 
 
-def _per_case(store: CaseStore, items, fn, tick, times: dict[str, float] | None = None) -> pd.DataFrame:
-    """``fn`` over the items whose part is not in ``store`` yet (the others are loaded), each part
-    saved as it is done; ``times`` gets the seconds of each computed one."""
-    frames = []
-    for key, item in items:
-        if store.done(key):
-            frames.append(store.load(key))
-        else:
-            start = time.perf_counter()
-            df = fn(item)
-            if times is not None:
-                times[key] = time.perf_counter() - start
-            store.save(key, df)
-            frames.append(df)
-        tick()
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-
-
-def run_probes(cfg: RunConfig, lm, valid: list, out: Path, stages: Stages, pairs: PairMemo | None = None
-               ) -> dict[str, pd.DataFrame]:
+def run_probes(cfg: RunConfig, lm, valid: list, folder: ResultsFolder, stages: Stages,
+               pairs: PairMemo | None = None) -> dict[str, pd.DataFrame]:
     """Every registered probe the config names, in dependency order, into ``out``; their tables by name.
 
     A per-case probe keeps each finished case under ``parts/<name>/`` (an interrupted run resumes
@@ -254,14 +82,15 @@ def run_probes(cfg: RunConfig, lm, valid: list, out: Path, stages: Stages, pairs
     caches, built once and handed to every probe.
     """
     pairs = pairs or PairMemo(lm)
+    out = folder.path
     tables: dict[str, pd.DataFrame] = {}
     for stage in in_order(cfg.probes):
         probe = stage.build(Inputs(cfg.seed, cfg.model, tables, pairs))
         if stage.per_case:
             tick = stages.progress(stage.name, len(valid))
-            table = stages.run(stage.name, lambda: _per_case(
-                CaseStore(out, stage.name), [(a.case.case_id, a) for a in valid],
-                lambda a: probe.run_case(lm, a, pairs.get(a)), tick, stages.case_s.setdefault(stage.name, {})))
+            table = stages.run(stage.name, lambda: folder.parts(stage.name).map(
+                [(a.case.case_id, a) for a in valid], lambda a: probe.run_case(lm, a, pairs.get(a)), tick,
+                stages.case_s.setdefault(stage.name, {})))
         elif (out / stage.table).exists():
             table = pd.read_parquet(out / stage.table)
         else:
@@ -299,6 +128,12 @@ class Selection:
         return [self.aligned[c] for c in self.control_ids]
 
 
+def run_folder(cfg: RunConfig, out: Path | str) -> ResultsFolder:
+    """``kvprobe run``'s results folder for ``cfg``: claimed by config.json, which a rerun must match
+    (with today's defaults filled in)."""
+    return ResultsFolder(out, RUN_CLAIM, cfg.model_dump(), settle=settled)
+
+
 def run(cfg: RunConfig, out: Path | str, progress=None, lm=None, cases: list | None = None) -> dict:
     """Run everything ``cfg`` asks for into ``out``; returns the manifest.
 
@@ -314,29 +149,22 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None, cases: list | N
     lm = lm or stages.run("load", lambda: load_model(cfg.model, dtype=cfg.dtype, device=cfg.device,
                                                      device_map=cfg.device_map))
     sel = prepare(cfg, lm, cases)
-    out.mkdir(parents=True, exist_ok=True)
-    claim_folder(out, RUN_CLAIM, cfg.model_dump(), settle=settled)
-    claim_inputs(out, lm, cases)
+    folder = run_folder(cfg, out)
+    folder.claim(lm, cases)
     # each case's two caches (and residual streams, for the linear probe): prefilled once, at
     # validity, for every later stage
     pairs = PairMemo(lm, residuals="linear" in cfg.probes)
-    select_cases(cfg, lm, sel, out, stages, pairs)
-    tables = run_probes(cfg, lm, sel.valid, out, stages, pairs)
+    select_cases(cfg, lm, sel, folder, stages, pairs)
+    tables = run_probes(cfg, lm, sel.valid, folder, stages, pairs)
     rule = learn_rule(cfg, tables.get("locality", pd.DataFrame()), sel, out)
-    run_edits_stage(cfg, lm, sel, rule, out, stages, pairs)
+    run_edits_stage(cfg, lm, sel, rule, folder, stages, pairs)
     pairs.keep(())
-    compose_summary = run_compose_stage(cfg, lm, out, stages)
-    manifest = write_manifest(cfg, lm, sel, compose_summary, out, {**stages.wall, "total": time.perf_counter() - t0},
+    compose_summary = run_compose_stage(cfg, lm, folder, stages)
+    manifest = write_manifest(cfg, lm, sel, compose_summary, folder, {**stages.wall, "total": time.perf_counter() - t0},
                               run_profile(stages, sel, out))
     if rule is not None:
         export_topk(out)
     return manifest
-
-
-def load_cases(cfg: RunConfig) -> list:
-    """The run's dataset: generated (``default``) or read from a JSONL file, checked line by line."""
-    kwargs = {"few_shot": cfg.few_shot} if cfg.dataset == "default" else {}
-    return resolve_dataset(cfg.dataset, n=cfg.n, seed=cfg.seed, **kwargs)
 
 
 def prepare(cfg: RunConfig, lm, cases: list) -> Selection:
@@ -355,21 +183,8 @@ def prepare(cfg: RunConfig, lm, cases: list) -> Selection:
     return sel
 
 
-def check_cases(lm, aligned: list, strategies: list[Strategy], cot: list[int], form: str) -> None:
-    """One-line errors, before any forward pass, for a case over the window or a strategy that cannot repair it."""
-    longest = max(cot, default=0)
-    for a in aligned:
-        lm.check_length(max(len(a.ids_old), len(a.ids_new)), f"case {a.case.case_id}")
-        with_cot = align(a.case.model_copy(update={"cot": True}), lm.tokenizer, form) if longest else None
-        if with_cot is not None and not isinstance(with_cot, Skip):
-            lm.check_length(len(with_cot.ids_new) + longest,
-                            f"case {a.case.case_id} with a chain-of-thought budget of {longest} tokens")
-        for s in strategies:
-            s.check(lm, a)
-
-
-def select_cases(cfg: RunConfig, lm, sel: Selection, out: Path, stages: Stages, pairs: PairMemo | None = None
-                 ) -> Selection:
+def select_cases(cfg: RunConfig, lm, sel: Selection, folder: ResultsFolder, stages: Stages,
+                 pairs: PairMemo | None = None) -> Selection:
     """Check every aligned case's validity (resumable), choose what is probed and edited; ``pairs``
     keeps the caches of the chosen cases for the later stages."""
     pairs = pairs or PairMemo(lm)
@@ -381,8 +196,9 @@ def select_cases(cfg: RunConfig, lm, sel: Selection, out: Path, stages: Stages, 
         return pd.DataFrame([row])
 
     tick = stages.progress("validity", len(sel.aligned))
-    validity = stages.run("validity", lambda: _per_case(CaseStore(out, "validity"), sel.aligned.items(), check, tick,
-                                                        stages.case_s.setdefault("validity", {})))
+    validity = stages.run("validity", lambda: folder.parts("validity").map(
+        sel.aligned.items(), check, tick, stages.case_s.setdefault("validity", {})))
+    out = folder.path
     atomic_write_parquet(validity, out / VALIDITY)
     sel.validity = validity
     keep = validity.valid if cfg.valid_only else validity.valid | ~validity.control
@@ -416,7 +232,7 @@ def learn_rule(cfg: RunConfig, locality: pd.DataFrame, sel: Selection, out: Path
     return rule
 
 
-def run_edits_stage(cfg: RunConfig, lm, sel: Selection, rule, out: Path, stages: Stages,
+def run_edits_stage(cfg: RunConfig, lm, sel: Selection, rule, folder: ResultsFolder, stages: Stages,
                     pairs: PairMemo | None = None) -> pd.DataFrame:
     """Every strategy on the valid cases (and controls), per CoT budget; the K sweep on the held-out half.
     Without CoT a case starts from its old cache in ``pairs`` (kept from validity)."""
@@ -440,24 +256,24 @@ def run_edits_stage(cfg: RunConfig, lm, sel: Selection, rule, out: Path, stages:
         return edit_case(lm, case, base, cot, cfg.min_flip, ranking=rule, seed=cfg.seed, model_name=cfg.model,
                          old_cache=old_cache, sweep=sweep)
 
-    edits = stages.run("edits", lambda: _per_case(CaseStore(out, "edits"), edit_items, edit_one, tick,
-                                                  stages.case_s.setdefault("edits", {})))
+    edits = stages.run("edits", lambda: folder.parts("edits").map(edit_items, edit_one, tick,
+                                                                  stages.case_s.setdefault("edits", {})))
     if not learned and "ranking" in edits:  # parts stored by a version that ranked with an empty rule
         edits = edits[edits.ranking.ne("causal")]
-    atomic_write_parquet(edits, out / EDITS)
+    atomic_write_parquet(edits, folder.path / EDITS)
     return edits
 
 
-def run_compose_stage(cfg: RunConfig, lm, out: Path, stages: Stages) -> list[dict]:
+def run_compose_stage(cfg: RunConfig, lm, folder: ResultsFolder, stages: Stages) -> list[dict]:
     """With ``compose: N``, the composition gate on N queries (as ``kvprobe validate``); its summary rows."""
     if not cfg.compose:
         return []
 
     tick = stages.progress("compose", cfg.compose)
     composed = stages.run("compose", lambda: run_compose(
-        lm, n=cfg.compose, seed=cfg.seed, seams=cfg.compose_seams, form=cfg.form, store_dir=out / "blocks",
-        model_name=cfg.model, parts=CaseStore(out, "compose"), on_query=tick))
-    atomic_write_parquet(composed, out / COMPOSE)
+        lm, n=cfg.compose, seed=cfg.seed, seams=cfg.compose_seams, form=cfg.form, store_dir=folder.path / "blocks",
+        model_name=cfg.model, parts=folder.parts("compose"), on_query=tick))
+    atomic_write_parquet(composed, folder.path / COMPOSE)
     return summarize_compose(composed).to_dict("records")
 
 
@@ -484,29 +300,24 @@ def run_profile(stages: Stages, sel: Selection, out: Path) -> dict:
                       for st, times in stages.case_s.items() if times}}
 
 
-def write_manifest(cfg: RunConfig, lm, sel: Selection, compose_summary: list[dict], out: Path,
+def write_manifest(cfg: RunConfig, lm, sel: Selection, compose_summary: list[dict], folder: ResultsFolder,
                    wall_s: dict[str, float], profile: dict | None = None) -> dict:
     """manifest.json: config, model fingerprint, versions, counts and skip reasons, wall time per
     stage, and the run's cost in prefill-equivalents (:func:`run_profile`)."""
     validity = sel.validity
-    manifest = {
-        "kvprobe_run": 1, "config": cfg.model_dump(), "model": lm.fingerprint(), "model_info": lm.info.as_dict(),
-        "n_layers": lm.adapter.n_layers, "n_heads": lm.adapter.n_heads, "n_kv_heads": lm.adapter.n_kv_heads,
-        "versions": package_versions(), "seed": cfg.seed,
-        "counts": {"cases": len(sel.cases), "aligned": len(sel.aligned), "probed_decision": len(sel.valid_ids),
-                   "valid_decision": int((validity.valid & ~validity.control).sum()),
-                   "valid_control": sel.n_valid_controls, "edited_controls": len(sel.control_ids),
-                   "ranking_cases": len(sel.rank_ids), "held_out_cases": len(sel.held_ids),
-                   "skipped": len(sel.skipped), "invalid": int((~validity.valid).sum())},
-        "skipped": [{"case_id": s.case_id, "reason": s.reason} for s in sel.skipped],
-        "invalid_reasons": _invalid_reasons(validity),
-        "validity": summarize(validity) if len(validity) else {},
-        "compose": compose_summary,
-        "tables": sorted(p.name for p in out.glob("*.parquet")),
-        "wall_s": {k: round(v, 2) for k, v in wall_s.items()},
-        "prefill_equivalents": profile or {},
-    }
-    atomic_write_json(manifest, out / MANIFEST)
+    counts = {"cases": len(sel.cases), "aligned": len(sel.aligned), "probed_decision": len(sel.valid_ids),
+              "valid_decision": int((validity.valid & ~validity.control).sum()),
+              "valid_control": sel.n_valid_controls, "edited_controls": len(sel.control_ids),
+              "ranking_cases": len(sel.rank_ids), "held_out_cases": len(sel.held_ids),
+              "skipped": len(sel.skipped), "invalid": int((~validity.valid).sum())}
+    manifest = folder.manifest(
+        lm, kvprobe_run=1, config=cfg.model_dump(), n_layers=lm.adapter.n_layers, n_heads=lm.adapter.n_heads,
+        n_kv_heads=lm.adapter.n_kv_heads, seed=cfg.seed, counts=counts,
+        skipped=[{"case_id": s.case_id, "reason": s.reason} for s in sel.skipped],
+        invalid_reasons=_invalid_reasons(validity), validity=summarize(validity) if len(validity) else {},
+        compose=compose_summary, tables=sorted(p.name for p in folder.path.glob("*.parquet")),
+        wall_s={k: round(v, 2) for k, v in wall_s.items()}, prefill_equivalents=profile or {})
+    folder.write(MANIFEST, manifest)
     return manifest
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import re
 import tempfile
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -118,20 +120,26 @@ def claim_inputs(folder: Path | str, lm, cases=()) -> None:
     now has other content (the folder's rows for it may be done: kvprobe refuses rather than mix);
     new case ids are added. A folder written before this file existed is fingerprinted as it is.
     Call it after :func:`claim_folder`, once the model is loaded."""
-    path = Path(folder) / INPUTS
     fp = lm.fingerprint()
+    claim_identity(folder, {k: fp[k] for k in MODEL_KEYS}, fp["spec"], cases)
+
+
+def claim_identity(folder: Path | str, model: dict, name: str, cases=()) -> None:
+    """:func:`claim_inputs` for a model known by an identity other than a loaded model's
+    fingerprint (``kvprobe serve-bench``: the served model); ``name`` names it in the refusal."""
+    path = Path(folder) / INPUTS
     items = cases.items() if isinstance(cases, dict) else ((c.case_id, c) for c in cases)
-    now = {"model": {k: fp[k] for k in MODEL_KEYS}, "cases": {key: case_digest(c) for key, c in items}}
+    now = {"model": dict(model), "cases": {key: case_digest(c) for key, c in items}}
     if path.exists():
         try:
             stored = json.loads(path.read_text())
-            model, seen = dict(stored["model"]), dict(stored["cases"])
+            then, seen = dict(stored["model"]), dict(stored["cases"])
         except (ValueError, KeyError, TypeError):
             raise KvprobeError(f"{path} is not a kvprobe inputs file; remove the folder or choose another --out") from None
-        if model != now["model"]:
-            differ = [k for k in MODEL_KEYS if model.get(k) != now["model"][k]]
+        if then != now["model"]:
+            differ = sorted(k for k in set(then) | set(now["model"]) if then.get(k) != now["model"].get(k))
             raise UsageError(f"{folder} holds rows computed from another model ({', '.join(differ)} differ from "
-                             f"{fp['spec']}'s); choose another --out or remove it")
+                             f"{name}'s); choose another --out or remove it")
         changed = sorted(c for c, h in now["cases"].items() if c in seen and seen[c] != h)
         if changed:
             raise UsageError(f"{folder} holds rows computed from other contents of {len(changed)} case(s) "
@@ -229,38 +237,154 @@ def read_table(path: Path) -> pd.DataFrame:
                            f"or move the file away") from None
 
 
+def package_versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("kvprobe", "torch", "transformers", "pandas", "scikit-learn", "numpy"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
 RUN_MANIFEST_KEYS = ("kvprobe_run", "config", "model")  # what `kvprobe run` writes and the report reads
 
 
 
 class CaseStore:
-    """Per-case parts of one table, so an interrupted run resumes without redoing finished cases.
+    """Per-part results of one table, so an interrupted run resumes without redoing finished work.
 
-    Each finished case is one parquet file ``<folder>/parts/<table>/<part_name(case_id)>.parquet``,
-    written atomically; :meth:`collect` concatenates them into ``<folder>/<table>.parquet``.
+    Each finished part (a case, a query, a benchmark run) is one parquet file
+    ``<folder>/parts/<table>/<part_name(key)>.parquet``, written atomically; :meth:`each` and
+    :meth:`map` are the resume loop every command uses (a finished part is read, the others are
+    computed and saved as each ends); :meth:`collect` concatenates the parts into
+    ``<folder>/<table>.parquet``. Only the folder's claim (:class:`ResultsFolder`) makes a part
+    reusable: it was computed from the same settings, model and case contents.
     """
 
     def __init__(self, folder: Path | str, table: str):
         self.folder = Path(folder)
         self.table = table
         self.parts = self.folder / "parts" / table
+        self.recomputed: list[str] = []  # keys whose part could not be read, so they were computed again
 
-    def _path(self, case_id: str) -> Path:
-        return self.parts / f"{part_name(case_id)}.parquet"
+    def _path(self, key: str) -> Path:
+        return self.parts / f"{part_name(key)}.parquet"
 
-    def done(self, case_id: str) -> bool:
-        return self._path(case_id).exists()
+    def done(self, key: str) -> bool:
+        return self._path(key).exists()
 
-    def save(self, case_id: str, df: pd.DataFrame) -> Path:
-        return atomic_write_parquet(df, self._path(case_id))
+    def save(self, key: str, df: pd.DataFrame) -> Path:
+        return atomic_write_parquet(df, self._path(key))
 
-    def load(self, case_id: str) -> pd.DataFrame:
-        return pd.read_parquet(self._path(case_id))
+    def get(self, key: str) -> pd.DataFrame | None:
+        """The finished part of ``key``, or None when there is none. A part that cannot be read (cut
+        short by a full disk, overwritten by something else) is none too: it is recorded in
+        :attr:`recomputed` and computed again, which is safe because the claim holds."""
+        path = self._path(key)
+        if not path.exists():
+            return None
+        try:
+            return read_table(path)
+        except KvprobeError:
+            self.recomputed.append(key)
+            return None
+
+    def each(self, items, fn, times: dict[str, float] | None = None):
+        """For each ``(key, item)``: yields ``(key, frame, resumed)``, the frame read from its part
+        or computed by ``fn(item)`` and saved before it is yielded (a caller may stop early);
+        ``times`` gets the seconds of each one computed."""
+        for key, item in items:
+            df = self.get(key)
+            resumed = df is not None
+            if df is None:
+                start = time.perf_counter()
+                df = fn(item)
+                if times is not None:
+                    times[key] = time.perf_counter() - start
+                self.save(key, df)
+            yield key, df, resumed
+
+    def map(self, items, fn, on_done=lambda: None, times: dict[str, float] | None = None) -> pd.DataFrame:
+        """:meth:`each` over every item, ``on_done()`` after each; the frames concatenated."""
+        frames = []
+        for _, df, _ in self.each(items, fn, times):
+            frames.append(df)
+            on_done()
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+    def finished(self):
+        """Every finished, readable part's frame, in file-name order."""
+        for f in sorted(self.parts.glob("*.parquet")) if self.parts.exists() else []:
+            try:
+                yield read_table(f)
+            except KvprobeError:
+                continue  # recomputed when its key comes up
 
     def collect(self) -> Path:
-        """Concatenate every finished part (sorted by case id) into the table file; returns its path."""
-        files = sorted(self.parts.glob("*.parquet")) if self.parts.exists() else []
-        frames = [pd.read_parquet(f) for f in files]
-        frames = [f for f in frames if len(f)]
+        """Concatenate every finished part (sorted by key) into the table file; returns its path."""
+        frames = [f for f in self.finished() if len(f)]
         df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
         return atomic_write_parquet(df, self.folder / f"{self.table}.parquet")
+
+
+class ResultsFolder:
+    """One command's results folder: the one place its claim, its resume loop and the skeleton of
+    its manifest live (``kvprobe run``, ``edit``, ``sweep`` and ``validate`` build on it).
+
+    ``claim`` is the command's claim file (:data:`CLAIMS`) and ``settings`` what it records there;
+    ``settle`` maps a stored claim onto today's form (defaults added since), ``held`` names the
+    folder in the refusal. ``dtype``, when given, is a claim key only off float32, so folders written
+    before ``--dtype`` existed still resume.
+
+        folder = ResultsFolder(out, EDIT_CLAIM, settings, dtype=dtype)
+        folder.check()                      # before loading anything: writes nothing
+        folder.claim(lm, cases)             # once every input is valid: settings, model and cases
+        df = folder.parts("edits").map(items, fn, on_done=tick)
+        folder.write(name, folder.manifest(lm, **fields))
+    """
+
+    def __init__(self, path: Path | str, claim: str, settings: dict, *, settle=lambda stored: stored,
+                 held: str = "run with a different configuration", dtype: str | None = None):
+        self.path = Path(path)
+        self.claim_file = claim
+        self.settings = dict(settings)
+        if dtype is not None and dtype != "float32":
+            self.settings["dtype"] = dtype
+        self.settle, self.held = settle, held
+        self._stores: dict[str, CaseStore] = {}
+
+    def check(self) -> bool:
+        """What :meth:`claim` would refuse, without writing anything; True when resuming."""
+        return check_claim(self.path, self.claim_file, self.settings, self.settle, self.held)
+
+    def claim(self, lm=None, cases=()) -> None:
+        """Claim the folder for these settings and, with ``lm``, for this model's and these cases'
+        contents (:func:`claim_inputs`): a resume reuses parts only computed from the same ones."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        claim_folder(self.path, self.claim_file, self.settings, self.settle, self.held)
+        if lm is not None:
+            claim_inputs(self.path, lm, cases)
+
+    def parts(self, table: str) -> CaseStore:
+        if table not in self._stores:
+            self._stores[table] = CaseStore(self.path, table)
+        return self._stores[table]
+
+    @property
+    def recomputed(self) -> list[str]:
+        """``table/key`` of every part that could not be read and was computed again."""
+        return [f"{t}/{k}" for t, s in self._stores.items() for k in s.recomputed]
+
+    def manifest(self, lm, **fields) -> dict:
+        """A manifest: ``fields`` plus what every command records (the model's fingerprint and
+        facts, package versions, and any part that had to be recomputed)."""
+        out = {**fields, "model": lm.fingerprint(), "model_info": lm.info.as_dict(), "versions": package_versions()}
+        if self.recomputed:
+            out["recomputed_parts"] = self.recomputed
+        return out
+
+    def write(self, name: str, data: dict) -> Path:
+        return atomic_write_json(data, self.path / name)

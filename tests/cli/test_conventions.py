@@ -199,7 +199,7 @@ def test_cli_help_facts_match_their_homes():
     from kvprobe.cli import options
     from kvprobe.defaults import DEFAULT_STRATEGIES
     from kvprobe.editor import strategies
-    from kvprobe.pipeline import RunConfig
+    from kvprobe.config import RunConfig
     from kvprobe.probes import STAGES
 
     builtin = [c for c in strategies.STRATEGIES.values() if c.__module__ == strategies.__name__]

@@ -55,3 +55,22 @@ def test_run_refuses_a_changed_dataset_too(tmp_path):
     cases[1]["question"] = cases[1]["question"] + " Answer carefully."
     data.write_text("".join(json.dumps(x) + "\n" for x in cases))
     assert "other contents of 1 case(s)" in error_line(kvprobe(*args), 2)
+
+
+def test_an_unreadable_part_is_computed_again_and_said_so(tmp_path):
+    """A part cut short (a full disk, a bad copy) is not a traceback on resume: it is computed again
+    (the claim says it would come out the same), the table equals a clean run's, and the manifest
+    names it."""
+    import pandas as pd
+
+    out = tmp_path / "E"
+    args = (*EDIT, "--model", "toy-qwen2", "--out", out)
+    assert kvprobe(*args).returncode == 0
+    clean = pd.read_parquet(out / "edits.parquet").drop(columns=["wall_s", "decide_s"])
+    part = sorted((out / "parts" / "edits").glob("*.parquet"))[1]
+    part.write_bytes(part.read_bytes()[:200])
+    again = kvprobe(*args)
+    assert again.returncode == 0, again.stderr[-2000:]
+    pd.testing.assert_frame_equal(pd.read_parquet(out / "edits.parquet").drop(columns=["wall_s", "decide_s"]), clean)
+    manifest = json.loads((out / "edit_manifest.json").read_text())
+    assert manifest["recomputed_parts"] == [f"edits/{part.stem}"]

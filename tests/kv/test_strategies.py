@@ -102,7 +102,7 @@ def test_a_new_strategy_is_one_class():
 
 def test_the_runs_erratum_template_reaches_the_editor():
     """``erratum_template`` fills the template of an erratum given without one; the default keeps the labels."""
-    from kvprobe.pipeline import RunConfig
+    from kvprobe.config import RunConfig
 
     lm, a = aligned_case()
     ctx = editor.make_context(lm, a)

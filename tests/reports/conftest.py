@@ -14,7 +14,8 @@ def make_results(out: Path) -> Path:
     """``kvprobe run --model tiny-qwen2 --n 4 --all-cases`` (a few strategies and Ks, to stay small),
     plus tokens.parquet where the pipeline does not write it yet."""
     from kvprobe.datasets import Skip, align, resolve_dataset
-    from kvprobe.pipeline import RunConfig, run
+    from kvprobe.config import RunConfig
+    from kvprobe.pipeline import run
     from kvprobe.datasets.tokens import TOKENS, case_tokens
     from tests.conftest import tiny_model
 

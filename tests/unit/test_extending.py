@@ -30,7 +30,8 @@ def run_as_module(name: str, code: str, **names) -> types.ModuleType:
 
 
 def test_a_probe_and_its_section(tmp_path):
-    from kvprobe.pipeline import RunConfig, run
+    from kvprobe.config import RunConfig
+    from kvprobe.pipeline import run
     from kvprobe.probes import STAGES
     from kvprobe.reports.html import render_html
     from kvprobe.reports.sections import SECTIONS

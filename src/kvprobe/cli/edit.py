@@ -29,9 +29,8 @@ def edit(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "defau
 
     from kvprobe.datasets import require_answers
     from kvprobe.editor.runner import align_all, run_edits
-    from kvprobe.pipeline import RunConfig, check_cases, load_cases
-    from kvprobe.results import (EDIT_CLAIM, EDITS, CaseStore, atomic_write_json, check_case_ids, check_claim,
-                                 claim_folder, claim_inputs)
+    from kvprobe.config import RunConfig, check_cases, load_cases
+    from kvprobe.results import EDIT_CLAIM, EDITS, ResultsFolder, check_case_ids
 
     try:
         cfg = RunConfig(model=model, dataset=dataset, strategies=opt.parse_csv(strategies), n=n, seed=seed, cot=opt.parse_ints(cot, "--cot"), form=form, few_shot=few_shot,
@@ -41,28 +40,24 @@ def edit(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "defau
     out = usable_out(out or opt.default_out("edit", model))
     settings = {"command": "edit", "model": model, "dataset": dataset, "n": cfg.n, "seed": seed,
                 "strategies": cfg.strategies, "cot": cfg.cot, "form": form, "few_shot": few_shot, "min_flip": min_flip}
-    if dtype != "float32":  # a claim key only off the default, so folders written before --dtype still resume
-        settings["dtype"] = dtype
-    held = "kvprobe edit with other settings"
-    check_claim(out, EDIT_CLAIM, settings, held=held)  # fail before loading; claimed once every input is valid
+    folder = ResultsFolder(out, EDIT_CLAIM, settings, held="kvprobe edit with other settings", dtype=dtype)
+    folder.check()  # fail before loading; claimed once every input is valid
     cases = load_cases(cfg)
     check_case_ids(c.case_id for c in cases)
     require_answers(cases, "kvprobe edit")
     lm = load_with_status(model, dtype, device, allow_failed_toy=allow_failed_toy, device_map=device_map)
     aligned, _ = align_all(lm, cases, cfg.form)
     check_cases(lm, aligned, cfg.edit_strategies(), cfg.cot, cfg.form)
-    claim_folder(out, EDIT_CLAIM, settings, held=held)
-    claim_inputs(out, lm, cases)
-    store = CaseStore(out, "edits")
+    folder.claim(lm, cases)
+    store = folder.parts("edits")
     with progress_bar() as bar:
         task = bar.add_task(f"editing {len(cases)} cases x {len(cfg.cot)} CoT settings",
                             total=len(cases) * len(cfg.cot))
         df, skipped = run_edits(lm, cases, cfg.strategies, cfg.cot, form, min_flip, model_name=model, store=store,
                                 on_case=lambda: bar.advance(task))
     path = store.collect()
-    atomic_write_json({**settings, "model": lm.fingerprint(), "model_info": lm.info.as_dict(),
-                       "skipped": [{"case_id": s.case_id, "reason": s.reason} for s in skipped]},
-                      out / "edit_manifest.json")
+    folder.write("edit_manifest.json", folder.manifest(
+        lm, **folder.settings, skipped=[{"case_id": s.case_id, "reason": s.reason} for s in skipped]))
     n_valid = print_summary(df, all_cases, model, min_flip)
     console.print(f"wrote {path} ({EDITS})")
     if n_valid == 0:

@@ -42,9 +42,10 @@ def run(ctx: typer.Context,
     from pydantic import ValidationError
 
     from kvprobe.datasets import require_answers
-    from kvprobe.pipeline import RunConfig, load_cases, settled
+    from kvprobe.config import RunConfig, load_cases
     from kvprobe.pipeline import run as run_pipeline
-    from kvprobe.results import RUN_CLAIM, check_case_ids, check_claim
+    from kvprobe.pipeline import run_folder
+    from kvprobe.results import check_case_ids
 
     given = {name for name in ("model", "dataset", "n", "seed", "form", "few_shot", "probes", "strategies", "cot",
                                "min_flip", "valid_only", "max_controls", "compose", "dtype", "device",
@@ -61,7 +62,7 @@ def run(ctx: typer.Context,
         raise UsageError.from_validation(exc, "run") from None
     opt.check_placement(cfg.dtype, cfg.device, cfg.device_map)  # a config file's values too, before any work
     out = usable_out(out or Path("results") / opt.folder_name(cfg.model))
-    check_claim(out, RUN_CLAIM, cfg.model_dump(), settle=settled)  # fail before loading; claimed once all is valid
+    run_folder(cfg, out).check()  # fail before loading; claimed once all is valid
     cases = load_cases(cfg)
     check_case_ids(c.case_id for c in cases)
     require_answers(cases, "kvprobe run")

@@ -49,8 +49,7 @@ def sweep(model: opt.Model = opt.DEFAULTS["model"],
     """
     from pydantic import ValidationError
 
-    from kvprobe.results import SWEEP_CLAIM, check_claim
-    from kvprobe.sweep.grid import SweepConfig, run_sweep
+    from kvprobe.sweep.grid import SweepConfig, run_sweep, sweep_folder
 
     try:
         cfg = SweepConfig(model=model, layouts=opt.parse_csv(layouts),
@@ -62,7 +61,7 @@ def sweep(model: opt.Model = opt.DEFAULTS["model"],
     except ValidationError as exc:
         raise UsageError.from_validation(exc, "sweep") from None
     out = usable_out(out or opt.default_out("sweep", model))
-    check_claim(out, SWEEP_CLAIM, cfg.settings(), held="sweep with other settings")  # before loading the model
+    sweep_folder(cfg, out).check()  # before loading the model
     # device_map is not a SweepConfig key: placement does not change a sweep's settings, the manifest's
     # model_info records it
     lm = load_with_status(model, cfg.dtype, cfg.device, allow_failed_toy=allow_failed_toy, device_map=device_map)

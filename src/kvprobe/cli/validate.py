@@ -44,8 +44,7 @@ def validate(model: opt.Model = opt.DEFAULTS["model"], n: int = typer.Option(50,
     from kvprobe.composer.blocks import check_composable
     from kvprobe.composer.gate import run_compose, summarize_compose
     from kvprobe.datasets.skills import check_options
-    from kvprobe.results import (COMPOSE, VALIDATE_CLAIM, CaseStore, atomic_write_json, atomic_write_parquet,
-                                 check_claim, claim_folder, claim_inputs)
+    from kvprobe.results import COMPOSE, VALIDATE_CLAIM, ResultsFolder, atomic_write_parquet
 
     seam_list = sorted(set(opt.parse_ints(seams, "--seams")) | {seam})
     bt, nb = opt.parse_ints(block_tokens, "--block-tokens", count=2), opt.parse_ints(blocks, "--blocks", count=2)
@@ -56,27 +55,25 @@ def validate(model: opt.Model = opt.DEFAULTS["model"], n: int = typer.Option(50,
     # what the per-query parts depend on; a rerun into the same --out resumes only if it matches
     config = {"model": model, "n": n, "seed": seed, "seams": seam_list, "block_tokens": bt, "n_blocks": nb,
               "form": form, "attn": attn, "store": store}
-    if dtype != "float32":  # a claim key only off the default, so folders written before --dtype still resume
-        config["dtype"] = dtype
-    check_claim(out, VALIDATE_CLAIM, config, held="validate run with other settings")  # before loading
+    folder = ResultsFolder(out, VALIDATE_CLAIM, config, held="validate run with other settings", dtype=dtype)
+    folder.check()  # before loading
     lm = load_with_status(model, dtype, device, attn=attn, allow_failed_toy=allow_failed_toy, device_map=device_map)
     check_composable(lm)
-    claim_folder(out, VALIDATE_CLAIM, config, held="validate run with other settings")
-    claim_inputs(out, lm)  # its queries come from the seed, a claim setting; the model from its content
+    folder.claim(lm)  # its queries come from the seed, a claim setting; the model from its content
     start = time.perf_counter()
     with progress_bar() as bar:
         pre = bar.add_task("precompiling skills", total=None)
         task = bar.add_task(f"composing {n} queries x {len(seam_list)} seams x 2", total=n)
         df = run_compose(lm, n=n, seed=seed, seams=seam_list, block_tokens=tuple(bt), n_blocks=tuple(nb),
                          form=form, store_dir=out / "blocks" if store else None, model_name=model,
-                         parts=CaseStore(out, "compose"), on_query=lambda: bar.advance(task),
+                         parts=folder.parts("compose"), on_query=lambda: bar.advance(task),
                          on_precompile=lambda i, total: bar.update(pre, completed=i, total=total))
     path = atomic_write_parquet(df, out / COMPOSE)
     summary = summarize_compose(df)
-    atomic_write_json({"command": "validate", "model": lm.fingerprint(), "n": n, "seed": seed, "seams": seam_list,
-                       "gated_seam": seam, "threshold": threshold, "block_tokens": bt, "n_blocks": nb,
-                       "form": form, "attn": attn, "wall_s": time.perf_counter() - start,
-                       "summary": summary.to_dict("records")}, out / "compose_manifest.json")
+    folder.write("compose_manifest.json", folder.manifest(
+        lm, command="validate", n=n, seed=seed, seams=seam_list, gated_seam=seam, threshold=threshold,
+        block_tokens=bt, n_blocks=nb, form=form, attn=attn, wall_s=time.perf_counter() - start,
+        summary=summary.to_dict("records")))
     table = Table(title=f"composed vs full recompute: {model} ({df.query_id.nunique()} queries, "
                         f"{int(df.context_tokens.median())} median context tokens)")
     for col in ("re-rotate", "seam s", "n", "agreement [95% CI]", "top-1", "cosine [95% CI]", "KL", "ms"):

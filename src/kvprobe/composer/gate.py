@@ -63,7 +63,8 @@ def run_compose(lm, n: int = 50, seed: int = 0, seams: Sequence[int] = SEAMS,
     data = generate_compose(n, seed=seed, tokenizer=lm.tokenizer, block_tokens=block_tokens, n_blocks=n_blocks)
     segs = segments(data, lm.tokenizer, form)
     options = {opt: option_token_ids(lm.tokenizer, opt) for opt in data.options}
-    finished = {q.query_id for q in data.queries if parts is not None and parts.done(q.query_id)}
+    finished = {q.query_id: df for q in data.queries
+                if parts is not None and (df := parts.get(q.query_id)) is not None}
     todo = [q for q in data.queries if q.query_id not in finished]
     used = list(dict.fromkeys(sid for q in todo for sid in q.skills))
     blocks: dict[str, Block] = {}
@@ -71,11 +72,12 @@ def run_compose(lm, n: int = 50, seed: int = 0, seams: Sequence[int] = SEAMS,
         blocks[sid] = _skill_block(lm, segs, sid, store_dir)
         if on_precompile:
             on_precompile(i + 1, len(used))
-    frames = [parts.load(q.query_id) for q in data.queries if q.query_id in finished]
+    frames = list(finished.values())
     for _ in frames:
         if on_query:
             on_query()
-    for q in todo:
+
+    def compose_query(q) -> pd.DataFrame:
         rows = []
         qs = segs.queries[q.query_id]
         pieces = [qs.lead, *(blocks[s] for s in q.skills), qs.query]
@@ -104,15 +106,21 @@ def run_compose(lm, n: int = 50, seed: int = 0, seams: Sequence[int] = SEAMS,
                     "answer": answer, "oracle_answer": oracle_answer, "expected": q.expected, "margin": margin,
                     "oracle_margin": oracle_margin, "wall_s": wall, "oracle_wall_s": oracle_wall,
                 })
-        frame = pd.DataFrame(rows, columns=list(COLUMNS))
-        if parts is not None:
-            parts.save(q.query_id, frame)
-        frames.append(frame)
-        if on_query:
-            on_query()
-    order = {q.query_id: i for i, q in enumerate(data.queries)}
-    frames = sorted(frames, key=lambda f: order[f.query_id.iloc[0]] if len(f) else -1)
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(COLUMNS))
+        return pd.DataFrame(rows, columns=list(COLUMNS))
+
+    if parts is not None:  # the resume loop: each query's part saved as it ends
+        frames.append(parts.map([(q.query_id, q) for q in todo], compose_query, on_query or (lambda: None)))
+    else:
+        for q in todo:
+            frames.append(compose_query(q))
+            if on_query:
+                on_query()
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        return pd.DataFrame(columns=list(COLUMNS))
+    df = pd.concat(frames, ignore_index=True)
+    order = {q.query_id: i for i, q in enumerate(data.queries)}  # the queries' order, resumed or not
+    return df.iloc[df.query_id.map(order).argsort(kind="stable")].reset_index(drop=True)
 
 
 def _skill_block(lm, segs, sid: str, store_dir) -> Block:

@@ -144,14 +144,16 @@ def run_edits(lm, cases: Sequence[EditCase], strategies: Sequence[str], cot: Seq
     for cot_tokens in cot:
         aligned, skips = align_all(lm, cases, form, cot=cot_tokens > 0)
         skipped += skips
-        for a in aligned:
-            key = f"{a.case.case_id}.cot{cot_tokens}"
-            if store is not None and store.done(key):
-                frames.append(store.load(key))
-            else:
-                df = edit_case(lm, a, parsed, cot_tokens, min_flip, ranking, seed, model_name)
-                if store is not None:
-                    store.save(key, df)
-                frames.append(df)
+        items = [(f"{a.case.case_id}.cot{cot_tokens}", a) for a in aligned]
+
+        def one(a, cot_tokens=cot_tokens):
+            return edit_case(lm, a, parsed, cot_tokens, min_flip, ranking, seed, model_name)
+
+        if store is not None:  # a kvprobe.results.CaseStore: the resume loop
+            done = store.map(items, one, on_case)
+            frames += [done] if len(done) else []
+            continue
+        for _, a in items:
+            frames.append(one(a))
             on_case()
     return (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()), skipped

@@ -117,10 +117,14 @@ class LoadedModel:
 
     def fingerprint(self) -> dict:
         """Identity of the exact model: config hash, weights hash, tokenizer hash."""
-        vocab = json.dumps(sorted(self.tokenizer.get_vocab().items()), ensure_ascii=True)
-        tok_hash = hashlib.sha256((vocab + str(self.tokenizer.chat_template)).encode()).hexdigest()[:16]
         return {"spec": self.info.spec, "family": self.info.family, "config_hash": self.config_hash(),
-                "weights_hash": self.weights_hash(), "tokenizer_hash": tok_hash}
+                "weights_hash": self.weights_hash(), "tokenizer_hash": tokenizer_hash(self.tokenizer)}
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """A tokenizer's identity: its vocabulary and chat template."""
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=True)
+    return hashlib.sha256((vocab + str(tokenizer.chat_template)).encode()).hexdigest()[:16]
 
 
 def _dispatch(model, device_map: str):

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvprobe.datasets import ERRATUM_TEMPLATES
 from kvprobe.errors import EnvironmentProblem, KvprobeError, UsageError
-from kvprobe.results import SERVING, SERVING_MANIFEST, CaseStore, atomic_write_json, refuse_foreign
+from kvprobe.results import SERVING, SERVING_MANIFEST, CaseStore, atomic_write_json, claim_identity, refuse_foreign
 from kvprobe.serving import measure
 from kvprobe.serving.client import (Completion, ServerGone, get_json, scrape_metrics, served_models,
                                     stream_completion)
@@ -111,6 +111,25 @@ def check_model(model: str) -> None:
     if model not in bundled.BUNDLED and not (Path(model).expanduser() / "config.json").exists():
         raise UsageError(f"unknown model {model!r}; accepted: a bundled alias ({', '.join(bundled.BUNDLED)}) "
                          f"or a local Hugging Face folder")
+
+
+def weights_identity(model: str) -> str:
+    """What the served weights are: a bundled alias's GGUF checksum, or a sha256 over a local
+    folder's config and weight files (their bytes)."""
+    import hashlib
+
+    from kvprobe.models import bundled
+
+    if model in bundled.BUNDLED:
+        return f"gguf:{bundled.BUNDLED[model].sha256[:16]}"
+    folder = Path(model).expanduser()
+    h = hashlib.sha256()
+    for f in sorted([folder / "config.json", *folder.glob("*.safetensors"), *folder.glob("*.bin")]):
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+    return f"files:{h.hexdigest()[:16]}"
 
 
 def load_tokenizer(model: str):
@@ -232,10 +251,22 @@ class Bench:
             raise UsageError(f"{self.out} holds a serving run with another configuration; give another --out "
                              f"or remove {path.name} and parts/{TABLE}/ there")
 
+    def identity(self) -> dict:
+        """What the rows are computed from besides the settings: the weights and tokenizer of
+        ``--model`` (by content), and the server's name for it, its vLLM version and its KV block
+        size. The server is trusted to serve ``--model``."""
+        from kvprobe.models.load import tokenizer_hash
+
+        try:
+            version = get_json(f"{self.url}/version").get("version")
+        except (OSError, ValueError):
+            version = None
+        return {"weights": weights_identity(self.cfg.model), "tokenizer_hash": tokenizer_hash(self.tok),
+                "served_model": self.served, "server_version": version, "block_size": self.block_size}
+
     def _replay(self) -> None:
         """Feed finished runs' prompts (and their oracles) into the ceiling and the oracle table."""
-        for f in sorted(self.store.parts.glob("*.parquet")) if self.store.parts.exists() else []:
-            df = pd.read_parquet(f)
+        for df in self.store.finished():
             for arm, value, oracle in zip(df["arm"], df["value"], df["oracle_answer"]):
                 self.ceiling.add(self.policy.arm_prompt(self.tok, arm, value))
                 if value not in self.oracle:
@@ -274,7 +305,11 @@ class Bench:
         if self.block_size is None:
             raise EnvironmentProblem(f"the server at {self.url} does not say its KV block size (no "
                                      f"{measure.CACHE_INFO} in /metrics); kvprobe serve-bench needs a vLLM server")
+        identity = self.identity()  # a resume reuses only runs of the same model, server and tokenizer:
+        if (self.out / SERVING_MANIFEST).exists():  # checked before anything in the folder is rewritten
+            claim_identity(self.out, identity, self.cfg.model)
         atomic_write_json(self.manifest(), self.out / SERVING_MANIFEST)
+        claim_identity(self.out, identity, self.cfg.model)
         self._replay()
         self.progress("warming the static prefix (the base prompt, greedy: also its oracle)")
         self._warm()
@@ -283,7 +318,7 @@ class Bench:
                 schedule = measure.poisson_schedule(rate, self.cfg.n, self.cfg.seed + k)
                 for arm in self.cfg.arms:
                     key = f"{measure.rate_label(rate)}-{arm}"
-                    if self.store.done(key):
+                    if self.store.get(key) is not None:
                         for _ in range(self.cfg.n):  # finished before: count it on the progress bar
                             self.advance()
                         continue

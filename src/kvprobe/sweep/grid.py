@@ -35,18 +35,7 @@ from kvprobe.defaults import (
 )
 from kvprobe.editor.strategies import check_policies, parse_strategy
 from kvprobe.errors import CheckFailed
-from kvprobe.pipeline import package_versions
-from kvprobe.results import (
-    SWEEP,
-    SWEEP_CLAIM,
-    SWEEP_MANIFEST,
-    SWEEP_SUMMARY,
-    CaseStore,
-    atomic_write_json,
-    atomic_write_parquet,
-    claim_folder,
-    claim_inputs,
-)
+from kvprobe.results import SWEEP, SWEEP_CLAIM, SWEEP_MANIFEST, SWEEP_SUMMARY, ResultsFolder, atomic_write_parquet
 from kvprobe.sweep.measure import measure_case
 from kvprobe.sweep.summary import (
     CELL_KEYS,
@@ -129,6 +118,11 @@ def cell_cases(cfg: SweepConfig, cell: dict) -> list:
     return [c.model_copy(update={"case_id": f"{cell['cell']}.{c.case_id}"}) for c in cases]
 
 
+def sweep_folder(cfg: SweepConfig, out: Path | str) -> ResultsFolder:
+    """``kvprobe sweep``'s results folder for ``cfg``, claimed by sweep_config.json."""
+    return ResultsFolder(out, SWEEP_CLAIM, cfg.settings(), held="sweep with other settings")
+
+
 def run_sweep(cfg: SweepConfig, lm, out: Path | str, progress: Callable[[str, int], Callable[[], None]] | None = None
               ) -> dict:
     """Every cell of ``cfg`` into ``out``; a case measured by an earlier, interrupted invocation is read
@@ -151,30 +145,24 @@ def run_sweep(cfg: SweepConfig, lm, out: Path | str, progress: Callable[[str, in
         raise CheckFailed(f"no case of the sweep aligns under {cfg.model}'s tokenizer (most often: "
                           f"{reasons.index[0] if len(reasons) else 'no cases'}); try another --form or layout")
     check_policies(strategies, lm)  # an auto:PATH of another model fails here, not once per case
-    out.mkdir(parents=True, exist_ok=True)
-    claim_folder(out, SWEEP_CLAIM, cfg.settings(), held="sweep with other settings")
-    claim_inputs(out, lm, {f"{cell['cell']}/{a.case.case_id}": a.case for cell, aligned, _ in prepared for a in aligned})
+    folder = sweep_folder(cfg, out)
+    folder.claim(lm, {f"{cell['cell']}/{a.case.case_id}": a.case for cell, aligned, _ in prepared for a in aligned})
     frames, record = [], {}
     t_start = time.perf_counter()
     for cell, aligned, skipped in prepared:
-        store = CaseStore(out, f"cells/{cell['cell']}")
         tick = progress(cell["cell"], cfg.valid or len(aligned))
         rows, n_valid, resumed = [], 0, 0
-        for a in aligned:
-            if cfg.valid is not None and n_valid >= cfg.valid:
-                break
-            key = a.case.case_id
-            if store.done(key):
-                df = store.load(key)
-                resumed += 1
-            else:
-                df = measure_case(lm, a, strategies, cfg.min_flip, derive=not cfg.time_all)
-                store.save(key, df)
+        todo = ((a.case.case_id, a) for a in aligned)
+        for _, df, was_done in folder.parts(f"cells/{cell['cell']}").each(
+                todo, lambda a: measure_case(lm, a, strategies, cfg.min_flip, derive=not cfg.time_all)):
+            resumed += was_done
             rows.append(df)
             is_valid = bool(df.valid.iloc[0]) and not bool(df.control.iloc[0])
             n_valid += is_valid
             if cfg.valid is None or is_valid:
                 tick()
+            if cfg.valid is not None and n_valid >= cfg.valid:
+                break
         table = pd.concat(rows, ignore_index=True) if rows else pd.DataFrame()
         if len(table):
             knobs = list(CELL_KEYS)
@@ -194,13 +182,10 @@ def run_sweep(cfg: SweepConfig, lm, out: Path | str, progress: Callable[[str, in
     summary = summarize(rows)
     atomic_write_parquet(summary, out / SWEEP_SUMMARY)
     verdicts = cell_verdicts(summary)
-    manifest = {
-        "kvprobe_sweep": 1, "config": cfg.model_dump(), "model": lm.fingerprint(), "model_info": lm.info.as_dict(),
-        "versions": package_versions(),
-        "cells": record, "cell_verdicts": dict(zip(verdicts.cell, verdicts.verdict)),
-        "layout_verdicts": layout_verdicts(verdicts), "verdict_rule": RULE,
-        "wall_s": {"cells": round(sum(c["wall_s"] for c in record.values()), 1),
-                   "this_invocation": round(time.perf_counter() - t_start, 1)},
-    }
-    atomic_write_json(manifest, out / SWEEP_MANIFEST)
+    manifest = folder.manifest(
+        lm, kvprobe_sweep=1, config=cfg.model_dump(), cells=record,
+        cell_verdicts=dict(zip(verdicts.cell, verdicts.verdict)), layout_verdicts=layout_verdicts(verdicts),
+        verdict_rule=RULE, wall_s={"cells": round(sum(c["wall_s"] for c in record.values()), 1),
+                                   "this_invocation": round(time.perf_counter() - t_start, 1)})
+    folder.write(SWEEP_MANIFEST, manifest)
     return manifest

@@ -1,0 +1,171 @@
+"""What defines a run, and the cases it runs on: :class:`RunConfig` (``kvprobe run``'s settings,
+loadable from YAML; ``kvprobe edit`` builds one too), the dataset it names (:func:`load_cases`) and
+the checks every case passes before any forward pass (:func:`check_cases`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kvprobe.datasets import ERRATUM, ERRATUM_TEMPLATES, Skip, align, resolve_dataset
+from kvprobe.defaults import DEFAULT_FORM, DEFAULT_MIN_FLIP, DEFAULT_MODEL, DEFAULT_N, DEFAULT_STRATEGIES, checked_form
+from kvprobe.editor.rankings import RANKINGS
+from kvprobe.editor.strategies import Strategy, parse_strategy
+from kvprobe.errors import KvprobeError
+from kvprobe.probes import STAGES
+
+ALL_PROBES = tuple(STAGES)  # every registered probe, in registration order
+
+
+class RunConfig(BaseModel):
+    """Everything that defines a run (loadable from YAML; unknown keys are errors)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = DEFAULT_MODEL
+    dataset: str = "default"
+    n: int = Field(DEFAULT_N, ge=1)
+    seed: int = 0
+    form: str = DEFAULT_FORM
+    few_shot: int = Field(0, ge=0)
+    probes: list[str] = list(ALL_PROBES)
+    strategies: list[str] = list(DEFAULT_STRATEGIES)
+    ks: list[int] = [1, 2, 4, 8, 16, 32, 64, 128]
+    rankings: list[str] = ["causal", "random", "attention"]
+    cot: list[int] = [0]
+    min_flip: float = Field(DEFAULT_MIN_FLIP, ge=0)
+    holdout: float = Field(0.5, gt=0, lt=1)
+    valid_only: bool = True  # False: probe every aligned decision case (e.g. a model that does not decide)
+    max_controls: int | None = Field(None, ge=0)  # valid controls carried into the edits (a seeded sample); None = all
+    erratum_template: str = ERRATUM  # what an erratum strategy without its own template uses
+    compose: int = Field(0, ge=0)  # composition-gate queries (kvprobe validate's table); 0 = skip
+    compose_seams: list[int] = [0, 1, 4]
+    dtype: str = "float32"  # float32 (exact tables), bfloat16 or float16
+    device: str = "cpu"  # cpu, cuda, cuda:N
+    device_map: str | None = None  # "auto": spread a model larger than one device (accelerate); overrides device
+
+    @field_validator("probes")
+    @classmethod
+    def _probes(cls, v: list[str]) -> list[str]:
+        bad = [p for p in v if p not in STAGES]  # read at validation time: a probe registered later counts
+        if bad:
+            raise ValueError(f"unknown probe(s) {bad}; accepted: {', '.join(STAGES)}")
+        return v
+
+    @field_validator("form")
+    @classmethod
+    def _form(cls, v: str) -> str:
+        return checked_form(v)
+
+    @field_validator("cot")
+    @classmethod
+    def _cot(cls, v: list[int]) -> list[int]:
+        if not v or min(v) < 0:
+            raise ValueError(f"cot must be a non-empty list of token budgets >= 0 (0 = no chain-of-thought), got {v}")
+        return sorted(set(v))
+
+    @field_validator("strategies")
+    @classmethod
+    def _strategies(cls, v: list[str]) -> list[str]:
+        for s in v:
+            parse_strategy(s)
+        return v
+
+    @field_validator("erratum_template")
+    @classmethod
+    def _erratum_template(cls, v: str) -> str:
+        """A name ("paper", "short") becomes its template, the literal that topk.yaml hands to serving."""
+        return ERRATUM_TEMPLATES.get(v, v)
+
+    @field_validator("compose_seams")
+    @classmethod
+    def _seams(cls, v: list[int]) -> list[int]:
+        if not v or min(v) < 0:
+            raise ValueError(f"compose_seams must be a non-empty list of integers >= 0, got {v}")
+        return sorted(set(v))
+
+    @field_validator("rankings")
+    @classmethod
+    def _rankings(cls, v: list[str]) -> list[str]:
+        bad = [r for r in v if r not in RANKINGS]
+        if bad:
+            raise ValueError(f"unknown ranking(s) {bad}; accepted: {', '.join(RANKINGS)}")
+        return v
+
+    def edit_strategies(self) -> list[Strategy]:
+        """The configured strategies, typed; an erratum given without a template gets ``erratum_template``."""
+        return [parse_strategy(s, template=self.erratum_template) for s in self.strategies]
+
+    @classmethod
+    def from_yaml(cls, path: Path | str, **overrides) -> "RunConfig":
+        """The config in a YAML file (a mapping of RunConfig keys), with ``overrides`` (command-line
+        flags) on top. A bad file is a :class:`KvprobeError` naming it; a bad override, a :class:`UsageError`."""
+        from pydantic import ValidationError
+
+        from kvprobe.errors import UsageError
+
+        keys = ", ".join(cls.model_fields)
+        try:
+            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise KvprobeError(f"config file not found: {path}") from None
+        except IsADirectoryError:
+            raise KvprobeError(f"config {path} is a folder; give a YAML file") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise KvprobeError(f"config {path} cannot be read ({exc.strerror if isinstance(exc, OSError) else exc})"
+                               ) from None
+        except yaml.YAMLError as exc:
+            raise KvprobeError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            kind = {list: "a list", str: "a single string", int: "a single number", float: "a single number",
+                    bool: "a single boolean"}.get(type(data), f"a {type(data).__name__}")
+            raise KvprobeError(f"{path} holds {kind}; a run config is a mapping of RunConfig keys ({keys})")
+        bad = [k for k in data if not isinstance(k, str)]
+        if bad:
+            raise KvprobeError(f"{path}: key {bad[0]!r} is not a name; a run config is a mapping of RunConfig keys "
+                               f"({keys})")
+        try:
+            return cls(**{**data, **overrides})
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = ".".join(map(str, err["loc"]))
+            if err["loc"] and err["loc"][0] in overrides:  # a flag is at fault, not the file
+                raise UsageError.from_validation(exc, "run") from None
+            hint = f"; accepted keys: {keys}" if err["type"] == "extra_forbidden" else ""
+            raise KvprobeError(f"{path}: {loc}: {err['msg']}{hint}") from None
+        except KvprobeError as exc:  # a validator's own one-line error (a bad strategy spec)
+            if "strategies" in overrides:
+                raise
+            raise KvprobeError(f"{path}: {exc}") from None
+
+
+def settled(previous: dict) -> dict | None:
+    """A stored config with today's defaults filled in (so a field added since still matches);
+    None when it no longer validates."""
+    try:
+        return RunConfig(**previous).model_dump()
+    except (ValueError, TypeError):
+        return None
+
+
+def load_cases(cfg: RunConfig) -> list:
+    """The run's dataset: generated (``default``) or read from a JSONL file, checked line by line."""
+    kwargs = {"few_shot": cfg.few_shot} if cfg.dataset == "default" else {}
+    return resolve_dataset(cfg.dataset, n=cfg.n, seed=cfg.seed, **kwargs)
+
+
+def check_cases(lm, aligned: list, strategies: list[Strategy], cot: list[int], form: str) -> None:
+    """One-line errors, before any forward pass, for a case over the window or a strategy that cannot repair it."""
+    longest = max(cot, default=0)
+    for a in aligned:
+        lm.check_length(max(len(a.ids_old), len(a.ids_new)), f"case {a.case.case_id}")
+        with_cot = align(a.case.model_copy(update={"cot": True}), lm.tokenizer, form) if longest else None
+        if with_cot is not None and not isinstance(with_cot, Skip):
+            lm.check_length(len(with_cot.ids_new) + longest,
+                            f"case {a.case.case_id} with a chain-of-thought budget of {longest} tokens")
+        for s in strategies:
+            s.check(lm, a)
