@@ -97,7 +97,8 @@ class EditState:
     def logits(self) -> torch.Tensor:
         """The decision logits (V,): the next-token logits after the prompt (and any erratum)."""
         if self._logits is None:
-            self._logits, _ = decide(self.lm, self.edited, 0)
+            with self.lm.lock:
+                self._logits, _ = decide(self.lm, self.edited, 0)
         return self._logits
 
     def scores(self, options: list[str] | None = None) -> dict[str, float]:
@@ -116,15 +117,16 @@ class EditState:
     @torch.no_grad()
     def generate(self, max_new_tokens: int = 32) -> str:
         """Greedy text from this state (on a copy of its cache), up to an end-of-sequence token."""
-        cache, eos, out = kvcache.copy(self.edited.cache), _eos_ids(self.lm), []
-        logits = kvcache.forward(self.lm.model, torch.tensor([self.edited.tail_ids]), cache, logits_to_keep=1
-                                 ).logits[0, -1]
-        for _ in range(max_new_tokens):
-            nxt = int(logits.argmax())
-            if nxt in eos:
-                break
-            out.append(nxt)
-            logits = kvcache.forward(self.lm.model, torch.tensor([[nxt]]), cache).logits[0, -1]
+        with self.lm.lock:
+            cache, eos, out = kvcache.copy(self.edited.cache), _eos_ids(self.lm), []
+            logits = kvcache.forward(self.lm.model, torch.tensor([self.edited.tail_ids]), cache, logits_to_keep=1
+                                     ).logits[0, -1]
+            for _ in range(max_new_tokens):
+                nxt = int(logits.argmax())
+                if nxt in eos:
+                    break
+                out.append(nxt)
+                logits = kvcache.forward(self.lm.model, torch.tensor([[nxt]]), cache).logits[0, -1]
         return self.lm.tokenizer.decode(out)
 
     def _options(self, options: list[str] | None) -> list[str]:
@@ -221,6 +223,10 @@ class EditableContext:
     # -- the cache -----------------------------------------------------------------------------
     def prefill(self) -> EditableContext:
         """Prefill the prompt (everything before its last token) once; edits start from it."""
+        with self.lm.lock:  # two threads reading a fresh context prefill it once
+            return self._prefill()
+
+    def _prefill(self) -> EditableContext:
         if self._ids is None:
             name = next(iter(self.fields), "")
             case = self.case(name, self.fields.get(name, "") + "x")  # any other value: only the old one renders
@@ -246,9 +252,10 @@ class EditableContext:
             raise UsageError(f"edit one field at a time, e.g. edit(tier='silver'); got {len(change)}")
         (name, value), = change.items()
         s = parse_strategy(strategy) if isinstance(strategy, str) else strategy
-        ctx = self.context(name, value)
-        s.check(self.lm, ctx.a)
-        edited = apply(ctx, s)
+        with self.lm.lock:  # the repair's forward passes (and any hooks it hangs) hold the model
+            ctx = self.context(name, value)
+            s.check(self.lm, ctx.a)
+            edited = apply(ctx, s)
         return EditState(self.lm, edited, s.spec, edited.chose or s.spec, edited.note, self.options, ctx.a.option_ids)
 
     def context(self, name: str, value: str) -> EditContext:
@@ -321,28 +328,30 @@ def diagnose_case(lm, case: EditCase, new_values: list[str], strategies: list[st
     check_policies(parsed, lm)
     on_step = start(len(edits) * len(parsed))
     old_cache, rows = None, []
-    for value, a in edits:
-        if old_cache is None:
-            old_cache = make_context(lm, a).old_cache
-        ctx = EditContext(lm, a, old_cache, ranking=learned_ranking(policy), policy=policy)
-        oracle_decision = decision_of(lm, a, apply(ctx, "oracle"))[0]
-        for s in parsed:
-            row = {"new_value": value, "strategy": s.spec, "oracle_decision": oracle_decision}
-            try:
-                s.check(lm, a)
-                edited = apply(ctx, s)
-                decision, margin, decide_s = timed_decision(lm, a, edited)
-            except KvprobeError as exc:
-                rows.append(row | {"error": str(exc)})
+    with lm.lock:  # every forward pass and repair below holds the model (LoadedModel.lock)
+        for value, a in edits:
+            if old_cache is None:
+                old_cache = make_context(lm, a).old_cache
+            ctx = EditContext(lm, a, old_cache, ranking=learned_ranking(policy), policy=policy)
+            oracle_decision = decision_of(lm, a, apply(ctx, "oracle"))[0]
+            for s in parsed:
+                row = {"new_value": value, "strategy": s.spec, "oracle_decision": oracle_decision}
+                try:
+                    s.check(lm, a)
+                    edited = apply(ctx, s)
+                    decision, margin, decide_s = timed_decision(lm, a, edited)
+                except KvprobeError as exc:
+                    rows.append(row | {"error": str(exc)})
+                    on_step()
+                    continue
+                rows.append(row | {"chose": edited.chose or s.spec, "decision": decision,
+                                   "agrees": decision == oracle_decision, "margin": margin,
+                                   "tokens_recomputed": float(edited.recomputed),
+                                   "frac_recomputed": float(edited.recomputed) / edited.total,
+                                   "repair_s": edited.wall_s,
+                                   "decide_s": decide_s, "to_decision_s": edited.wall_s + decide_s,
+                                   "note": edited.note or None})
                 on_step()
-                continue
-            rows.append(row | {"chose": edited.chose or s.spec, "decision": decision,
-                               "agrees": decision == oracle_decision, "margin": margin,
-                               "tokens_recomputed": float(edited.recomputed),
-                               "frac_recomputed": float(edited.recomputed) / edited.total, "repair_s": edited.wall_s,
-                               "decide_s": decide_s, "to_decision_s": edited.wall_s + decide_s,
-                               "note": edited.note or None})
-            on_step()
     return pd.DataFrame(rows).reindex(columns=DIAGNOSE_COLUMNS)
 
 

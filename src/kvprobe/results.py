@@ -135,7 +135,8 @@ def claim_identity(folder: Path | str, model: dict, name: str, cases=()) -> None
             stored = json.loads(path.read_text())
             then, seen = dict(stored["model"]), dict(stored["cases"])
         except (ValueError, KeyError, TypeError):
-            raise KvprobeError(f"{path} is not a kvprobe inputs file; remove the folder or choose another --out") from None
+            raise KvprobeError(f"{path} is not a kvprobe inputs file; remove the folder or choose another --out"
+                               ) from None
         if then != now["model"]:
             differ = sorted(k for k in set(then) | set(now["model"]) if then.get(k) != now["model"].get(k))
             raise UsageError(f"{folder} holds rows computed from another model ({', '.join(differ)} differ from "

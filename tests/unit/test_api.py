@@ -181,3 +181,35 @@ def test_auto_falls_back_to_the_oracle_when_nothing_measured_qualifies(toy, case
     too_few = policy_of(("field_only", 1.0, 19, 0.01), ("erratum_turn", 0.9, 40, 0.2))  # 19 < MIN_CASES; 0.9 < 0.95
     fixed = context_of(toy, case, policy=too_few).edit(**{case.field: case.new_value})
     assert fixed.chose == "oracle" and "no measured strategy reaches 0.95" in fixed.reason
+
+
+def test_two_threads_on_one_context_get_what_a_sequential_run_gets(toy, cases):
+    """One context, several strategies (cacheblend hangs forward hooks on the shared model while it
+    repairs), two threads: main eac58e9 raised in 4 of 4 trials (a `_StopForward`, a size mismatch)
+    and once returned logits off by 0.172 with no error. The model's lock makes every trial's
+    logits equal the sequential run's, bit for bit."""
+    import threading
+
+    case = cases[0]
+    strategies = ["cacheblend:0.15", "erratum_turn", "selective:4:random", "field_only", "oracle"]
+    ctx = context_of(toy, case)
+    want = {s: ctx.edit(strategy=s, **{case.field: case.new_value}).logits for s in strategies}
+    for trial in range(20):
+        got, errors = {}, []
+
+        def work(specs):
+            try:
+                for s in specs:
+                    got[s] = context.edit(strategy=s, **{case.field: case.new_value}).logits
+            except Exception as exc:  # noqa: BLE001 - the test reports it
+                errors.append(repr(exc))
+
+        context = context_of(toy, case) if trial % 2 else ctx  # a fresh context: its prefill races too
+        threads = [threading.Thread(target=work, args=(strategies[i::2],)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, (trial, errors)
+        for s in strategies:
+            assert torch.equal(got[s], want[s]), (trial, s, float((got[s] - want[s]).abs().max()))

@@ -12,6 +12,7 @@ import os
 import re
 import socket
 import struct
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from kvprobe.models.rope import self_check
 from kvprobe.models.tiny import build_tiny, tiny_names
 from kvprobe.models.toy_folder import load_toy, load_toy_folder, toy_families
 
+_LOCK_OF_LOCKS = threading.Lock()  # makes each model's lock once (LoadedModel.lock)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ROPE_TOL = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}  # self-check tolerance at shift 37
 # The device_map strings transformers' from_pretrained (through accelerate) accepts; None places the
@@ -87,6 +89,21 @@ class LoadedModel:
     tokenizer: Any
     adapter: Adapter
     info: ModelInfo
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The model's one lock: kvprobe's API holds it around every forward pass and cache repair
+        on this model (a repair may hang hooks on the shared modules for its duration), so threads
+        sharing a model, through one context or several, take turns and get what a sequential run
+        gets. It lives on the torch module, so two wrappers of one module share it."""
+        lock = getattr(self.model, "_kvprobe_lock", None)
+        if lock is None:
+            with _LOCK_OF_LOCKS:
+                lock = getattr(self.model, "_kvprobe_lock", None)
+                if lock is None:
+                    lock = threading.RLock()
+                    object.__setattr__(self.model, "_kvprobe_lock", lock)
+        return lock
 
     @property
     def device(self) -> torch.device:
