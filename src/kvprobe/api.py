@@ -18,12 +18,13 @@ re-prefill) is one more strategy, for checking, never needed.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import pandas as pd
 import torch
 
-from kvprobe import policy as policies
+from kvprobe import field_policy
 from kvprobe.datasets import AlignedCase, EditCase, Skip, align, render_prompt
 from kvprobe.datasets.render import resolve_form
 from kvprobe.datasets.spans import option_ids, prompt_ids
@@ -159,7 +160,7 @@ class EditableContext:
     def __init__(self, model, *, system: str | None = None, form: str = "auto", policy=None):
         self.lm = load(model)
         self.system, self.form = system, resolve_form(self.lm.tokenizer, form)
-        self.policy = policies.load(policy, self.lm) if isinstance(policy, str) else policy
+        self.policy = field_policy.load_any(policy, self.lm) if isinstance(policy, (str, Path)) else policy
         self._pieces: list[tuple[str, str]] = []  # ("text", text) or ("field", name)
         self.fields: dict[str, str] = {}
         self.question: str | None = None
@@ -274,7 +275,7 @@ class EditableContext:
 def learned_ranking(policy):
     """The policy's causal ranking rule, or None without a policy or a learned rule (then
     ``selective:K:causal`` says where a rule comes from)."""
-    rule = (policy.rule or {}) if policy is not None else {}
+    rule = (getattr(policy, "rule", None) or {}) if policy is not None else {}  # a field policy holds none
     return policy.ranking() if rule.get("scores") and rule.get("n_training_cases") else None
 
 

@@ -77,11 +77,12 @@ RUN_CLAIM = "config.json"
 EDIT_CLAIM = "edit_config.json"
 VALIDATE_CLAIM = "validate_config.json"
 SWEEP_CLAIM = "sweep_config.json"
+CALIBRATE_CLAIM = "calibrate_config.json"
 SWEEP = "sweep.parquet"  # kvprobe sweep: one row per cell x case x measure
 SWEEP_SUMMARY = "sweep_summary.parquet"  # one row per cell x measure, with 95% CIs
 SWEEP_MANIFEST = "sweep_manifest.json"
 CLAIMS = {RUN_CLAIM: "kvprobe run", EDIT_CLAIM: "kvprobe edit", VALIDATE_CLAIM: "kvprobe validate",
-          SWEEP_CLAIM: "kvprobe sweep",
+          SWEEP_CLAIM: "kvprobe sweep", CALIBRATE_CLAIM: "kvprobe calibrate",
           SERVING_MANIFEST: "kvprobe serve-bench"}
 
 

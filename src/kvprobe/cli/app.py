@@ -14,6 +14,7 @@ import sys
 import typer
 
 from kvprobe import __version__
+from kvprobe.cli.calibrate import calibrate
 from kvprobe.cli.common import console, err_console
 from kvprobe.cli.compare import compare
 from kvprobe.cli.datasets import datasets_app
@@ -46,6 +47,7 @@ app.add_typer(toy_app, name="toy")
 app.command("run")(run)
 app.command("edit")(edit)
 app.command("sweep")(sweep)
+app.command("calibrate")(calibrate)
 app.command("diagnose")(diagnose)
 app.command("strategies")(strategies)
 app.command("validate")(validate)

@@ -22,7 +22,10 @@ ERRATUM = (
     "[STATE UPDATE] {field} has just changed to {value}; this overrides any earlier value. Apply the current value."
 )
 SHORT_ERRATUM = "[STATE UPDATE] {field} -> {value}; overrides any earlier value."
-ERRATUM_TEMPLATES = {"paper": ERRATUM, "short": SHORT_ERRATUM}  # the names a spec or a config may use
+# A neutral wording: the value changed, decide with the current record; no "overrides", no
+# "apply", which may invite a flip where the field does not matter (kvprobe calibrate measures it).
+NEUTRAL_ERRATUM = "Note: {field} is now {value}. Decide with the current record."
+ERRATUM_TEMPLATES = {"paper": ERRATUM, "short": SHORT_ERRATUM, "neutral": NEUTRAL_ERRATUM}  # names a spec may use
 # rule_style "deny": the rule names the values that deny instead of those that allow.
 DENY_RULE = "Answer {no} if {field} is {denied}; otherwise answer {yes}."
 RULE_STYLES = ("allow", "deny")

@@ -40,7 +40,7 @@ from kvprobe.datasets.render import field_label
 from kvprobe.datasets.spans import prompt_ids
 from kvprobe.editor.context import EditContext
 from kvprobe.editor.rankings import RANKINGS, rank_downstream
-from kvprobe import policy as policies
+from kvprobe import field_policy
 from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.kv import cache as kvcache
 from kvprobe.kv.decode import Edited, decide
@@ -418,7 +418,7 @@ class Auto(Strategy):
             return fallback
         key = (self.policy, id(lm))
         if key not in _POLICIES:
-            _POLICIES[key] = policies.load(self.policy, lm)
+            _POLICIES[key] = field_policy.load_any(self.policy, lm)
         return _POLICIES[key]
 
     def check(self, lm, a) -> None:
@@ -426,6 +426,10 @@ class Auto(Strategy):
 
     def apply(self, ctx: EditContext) -> Edited:
         policy = self._policy(ctx.lm, ctx.policy)
+        if isinstance(policy, field_policy.FieldPolicy):  # calibrated per field: no runtime check needed
+            spec, why = policy.choice(ctx.a.case.field)
+            chosen = parse_strategy(spec)
+            return dataclasses.replace(chosen.apply(ctx), chose=chosen.spec, note=why)
         if policy is None:
             fallback, why = parse_strategy(AUTO_FALLBACK), "no policy for this model; kvprobe's default repair"
         else:

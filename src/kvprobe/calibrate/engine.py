@@ -1,0 +1,389 @@
+"""``kvprobe calibrate``: a per-field repair policy for one template, from as few oracle-checked
+pairs as the statistics allow.
+
+For each field of the template, pairs are drawn (every field at a value from its set, then this
+field moved to another value), and each pair is run three ways: the stale cache's decision, the
+oracle's (a full re-prefill of the new prompt) and each candidate repair's. A candidate's stream
+is "its decision equals the oracle's": on a pair where the oracle's decision changed, that is
+agreement; where it did not, it is the absence of a spurious flip. The field stops as soon as the
+confidence sequence (:mod:`kvprobe.calibrate.stats`) allows a verdict for the cheapest candidate
+still in play (candidates are given cheapest first), when every candidate is ruled out (then the
+oracle), or at ``max_pairs``. Pairs whose old and new value have the same token ids change
+nothing the model can see: they are counted as degenerate and not measured; a field made mostly of
+them is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import string
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from kvprobe.calibrate.stats import ALPHA_LOWER, ALPHA_UPPER, Sequence
+from kvprobe.calibrate.values import ValueSet, parse_values
+from kvprobe.errors import KvprobeError, UsageError
+
+DEFAULT_CANDIDATES = ("field_only", "erratum_turn:neutral", "erratum_turn")
+CALIBRATION = "calibration.parquet"  # one row per (field, pair, strategy)
+SUMMARY = "calibration_summary.parquet"  # one row per (field, strategy)
+POLICY_FILE = "field_policy.yaml"
+MANIFEST = "calibrate_manifest.json"
+SAME_IDS = "old and new value have the same token ids"
+DEGENERATE_SHARE = 0.5  # a field whose drawn pairs are mostly token-identical is refused
+UNKNOWN_SHARE = 0.2  # a prompt with more [UNK] tokens than this is refused
+
+
+@dataclass
+class CalibrationSpec:
+    """A template with ``{name}`` fields, each field's value set, the question and its two options."""
+
+    template: str
+    fields: dict[str, ValueSet]
+    question: str
+    options: list[str]
+    system: str | None = None
+    path: str = "<spec>"
+
+    @property
+    def pieces(self) -> list[tuple[str, str]]:
+        """("text", literal) and ("field", name) in template order."""
+        out = []
+        for literal, name, fmt, conv in string.Formatter().parse(self.template):
+            if literal:
+                out.append(("text", literal))
+            if name is not None:
+                out.append(("field", name))
+        return out
+
+    def digest(self) -> str:
+        data = {"template": self.template, "fields": {k: v.spec for k, v in self.fields.items()},
+                "question": self.question, "options": self.options, "system": self.system}
+        return hashlib.sha256(yaml.safe_dump(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_spec(path: Path | str) -> CalibrationSpec:
+    """A calibration spec from YAML: ``template``, ``fields`` (name: value set), ``question``,
+    ``options`` (two), optional ``system``. Every problem is one line naming the file."""
+    path = Path(path)
+    if path.is_dir():
+        raise KvprobeError(f"calibration spec {path} is a folder; give a YAML file")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise KvprobeError(f"calibration spec not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KvprobeError(f"{path} cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
+    except yaml.YAMLError as exc:
+        raise KvprobeError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    keys = ("template", "fields", "question", "options")
+    if not isinstance(data, dict) or any(k not in data for k in keys):
+        missing = [k for k in keys if not isinstance(data, dict) or k not in data]
+        raise KvprobeError(f"{path} is not a calibration spec (it lacks {', '.join(missing)}); keys: "
+                           f"{', '.join(keys)}, system")
+    extra = sorted(set(data) - {*keys, "system"})
+    if extra:
+        raise KvprobeError(f"{path}: unknown key {extra[0]!r}; keys: {', '.join(keys)}, system")
+    template, fields, question, options = (data[k] for k in keys)
+    if not isinstance(template, str) or not template.strip():
+        raise KvprobeError(f"{path}: template must be non-empty text with {{name}} for each field")
+    if not isinstance(fields, dict) or not fields:
+        raise KvprobeError(f"{path}: fields must map each field name to its values")
+    if not isinstance(question, str) or not question.strip():
+        raise KvprobeError(f"{path}: question must be non-empty text")
+    if not (isinstance(options, list) and len(options) == 2 and all(isinstance(o, str) and o for o in options)
+            and options[0] != options[1]):
+        raise KvprobeError(f"{path}: options must be a list of two different answers, got {options!r}")
+    if data.get("system") is not None and not isinstance(data["system"], str):
+        raise KvprobeError(f"{path}: system must be text")
+    spec = CalibrationSpec(template, {str(k): parse_values(v, f"{path}: fields.{k}") for k, v in fields.items()},
+                           question, list(options), data.get("system"), str(path))
+    try:
+        named = [x for kind, x in spec.pieces if kind == "field"]
+    except ValueError as exc:
+        raise KvprobeError(f"{path}: template is not a valid {{name}} template ({exc}); write a literal brace as "
+                           f"{{{{ or }}}}") from None
+    for name in named:
+        if not name.isidentifier():
+            raise KvprobeError(f"{path}: template field {{{name}}} is not a name (letters, digits, _)")
+    if sorted(named) != sorted(spec.fields) or len(set(named)) != len(named):
+        raise KvprobeError(f"{path}: the template's fields ({', '.join(named) or 'none'}) must be the fields "
+                           f"listed ({', '.join(spec.fields)}), each once")
+    return spec
+
+
+def context_for(lm, spec: CalibrationSpec, values: dict[str, str], form: str = "auto"):
+    """An EditableContext holding the template at ``values``."""
+    from kvprobe.api import EditableContext
+
+    ctx = EditableContext(lm, system=spec.system, form=form)
+    for kind, x in spec.pieces:
+        if kind == "text":
+            ctx.add_text(x)
+        else:
+            ctx.add_field(x, values[x])
+    return ctx.ask(spec.question, spec.options)
+
+
+@dataclass
+class FieldResult:
+    name: str
+    pairs: int = 0
+    degenerate: int = 0  # pairs whose values have the same token ids
+    skipped: int = 0  # pairs not measured: those, and pairs that cannot be edited in place
+    changed: int = 0
+    chosen: str = "oracle"
+    verdict: str = "open"
+    reason: str = ""
+    seconds: float = 0.0
+    counts: dict[str, list[int]] = field(default_factory=dict)  # strategy -> [agree, n]
+
+
+def _pairs(spec: CalibrationSpec, name: str, seed: int, n: int):
+    """The field's first ``n`` drawn pairs, keyed by their index, in drawing order (a resume, and a
+    rerun with a larger budget, draw the same ones)."""
+    rng = random.Random(f"{seed}:{name}")
+    for i in range(n):
+        base = {f: vs.sample(rng) for f, vs in spec.fields.items()}
+        yield f"{i:05d}", (base, spec.fields[name].other(base[name], rng))
+
+
+def measure_pair(lm, spec: CalibrationSpec, name: str, base: dict[str, str], new: str, candidates: list[str],
+                 form: str = "auto") -> pd.DataFrame:
+    """One pair: a row per strategy (stale, oracle, each candidate), or one ``degenerate`` row."""
+    from kvprobe.api import aligned_edit
+
+    ctx = context_for(lm, spec, base, form)
+    head = {"field": name, "old_value": base[name], "new_value": new,
+            "others": yaml.safe_dump({k: v for k, v in base.items() if k != name}, default_flow_style=True).strip()}
+    try:
+        a = aligned_edit(lm, ctx.case(name, new), ctx.form)
+    except KvprobeError as exc:  # e.g. the two values tokenise to different lengths: no in-place edit
+        return pd.DataFrame([{**head, "strategy": "", "skip": f"not editable in place ({exc})", "degenerate": False}])
+    if a.ids_old == a.ids_new:
+        return pd.DataFrame([{**head, "strategy": "", "skip": SAME_IDS, "degenerate": True}])
+    unk = getattr(lm.tokenizer, "unk_token_id", None)
+    if unk is not None and a.ids_old.count(unk) > UNKNOWN_SHARE * len(a.ids_old):
+        raise KvprobeError(f"{a.ids_old.count(unk)} of the {len(a.ids_old)} tokens of the template are unknown to "
+                           f"{lm.info.spec}'s tokenizer ([UNK]): its edits change little the model can see; use a "
+                           f"model whose tokenizer covers the template's words")
+    stale = ctx.read().answer()
+    t0 = time.perf_counter()
+    oracle = ctx.edit(strategy="oracle", **{name: new})
+    want = oracle.answer()
+    oracle_s = time.perf_counter() - t0
+    rows = [{**head, "strategy": "stale", "answer": stale, "oracle": want, "stale": stale},
+            {**head, "strategy": "oracle", "answer": want, "oracle": want, "stale": stale,
+             "frac_recomputed": oracle.frac_recomputed, "repair_s": oracle.repair_s, "to_decision_s": oracle_s}]
+    for s in candidates:
+        try:
+            t0 = time.perf_counter()
+            st = ctx.edit(strategy=s, **{name: new})
+            answer = st.answer()
+            rows.append({**head, "strategy": s, "answer": answer, "oracle": want, "stale": stale,
+                         "frac_recomputed": st.frac_recomputed, "repair_s": st.repair_s,
+                         "to_decision_s": time.perf_counter() - t0, "chose": st.chose})
+        except KvprobeError as exc:  # the repair cannot do this edit (e.g. another token count): it fails it
+            rows.append({**head, "strategy": s, "answer": None, "oracle": want, "stale": stale, "error": str(exc)})
+    df = pd.DataFrame(rows)
+    df["degenerate"], df["skip"] = False, None
+    df["changed"] = df.oracle != df.stale
+    df["agree"] = df.answer == df.oracle
+    return df
+
+
+@dataclass
+class Calibration:
+    """What :func:`calibrate` measured: the rows, the per-field summary, and the policy."""
+
+    rows: pd.DataFrame
+    summary: pd.DataFrame
+    policy: dict
+    fields: list[FieldResult]
+
+
+def calibrate(lm, spec: CalibrationSpec, *, candidates=DEFAULT_CANDIDATES, threshold: float = 0.95,
+              max_pairs: int = 200, seed: int = 0, form: str = "auto", parts=None,
+              progress: Callable[[str, int, int], None] = lambda field, done, total: None) -> Calibration:
+    """Calibrate every field of ``spec`` on the model ``lm`` (see the module docstring).
+    ``parts(name)`` gives a :class:`kvprobe.results.CaseStore` per field to keep finished pairs."""
+    from kvprobe.editor.strategies import parse_strategy
+
+    candidates = [parse_strategy(s).spec for s in candidates]
+    bad = [s for s in candidates if s in ("stale", "oracle") or s.startswith("auto")]
+    if bad or not candidates:
+        raise UsageError(f"candidates are repairs to measure, cheapest first (not stale, oracle or auto); got "
+                         f"{', '.join(bad) or 'none'}")
+    if not 0 < threshold < 1:
+        raise UsageError(f"threshold must be in (0, 1), got {threshold}")
+    seq = Sequence(threshold=threshold, m=len(candidates))
+    change_seq = Sequence(threshold=threshold)
+    frames, results = [], []
+    for name in spec.fields:
+        res = FieldResult(name, counts={s: [0, 0] for s in candidates})
+        items = _pairs(spec, name, seed, 2 * max_pairs + 10)  # skipped draws (no oracle run) are not budget
+        start = time.perf_counter()
+
+        def one(pair, name=name):
+            return measure_pair(lm, spec, name, pair[0], pair[1], candidates, form)
+
+        loop = parts(name).each(items, one) if parts is not None else ((k, one(p), False) for k, p in items)
+        for _, df, _ in loop:
+            frames.append(df)
+            if isinstance(df.skip.iloc[0], str):
+                res.degenerate += bool(df.degenerate.iloc[0])
+                res.skipped += 1
+                drawn = res.skipped + res.pairs
+                if drawn >= 10 and res.skipped > DEGENERATE_SHARE * drawn:
+                    reasons = pd.Series([f.skip.iloc[0].split(" (")[0] for f in frames
+                                         if f.field.iloc[0] == name and isinstance(f.skip.iloc[0], str)])
+                    res.verdict, res.chosen = "degenerate", "none"
+                    res.reason = (f"{res.skipped} of {drawn} drawn edits of {name} cannot be measured: "
+                                  f"{reasons.value_counts().index[0]}"
+                                  + (" (the tokenizer maps the values alike, e.g. [UNK]): nothing the model can see "
+                                     "changes" if res.degenerate * 2 > res.skipped else
+                                     "; give values of equal token length"))
+                    break
+                continue
+            res.pairs += 1
+            res.changed += int(df.changed.iloc[0])
+            for s in candidates:
+                ok = bool(df.loc[df.strategy == s, "agree"].iloc[0])
+                res.counts[s][0] += ok
+                res.counts[s][1] += 1
+            progress(name, res.pairs, max_pairs)
+            if _decide(res, seq, candidates):
+                break
+            if res.pairs >= max_pairs:
+                _decide(res, seq, candidates, final=True)
+                break
+        else:
+            _decide(res, seq, candidates, final=True)
+        res.seconds = time.perf_counter() - start
+        results.append(res)
+    rows = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    summary = summarize(rows, results, seq, change_seq, candidates)
+    policy = policy_of(lm, spec, results, summary, seq, candidates, max_pairs)
+    return Calibration(rows, summary, policy, results)
+
+
+def _decide(res: FieldResult, seq: Sequence, candidates: list[str], final: bool = False) -> bool:
+    """Set the field's choice from the verdicts so far; True when the field may stop."""
+    verdicts = {s: seq.verdict(*res.counts[s]) for s in candidates}
+    live = [s for s in candidates if verdicts[s] != "ruled out"]
+    relevance = ("no pair changed the oracle's decision" if res.changed == 0 else
+                 f"{res.changed} of {res.pairs} pairs changed the oracle's decision")
+    if not live:
+        res.chosen, res.verdict = "oracle", "established"
+        res.reason = f"every candidate is ruled out below {seq.threshold:g} ({relevance})"
+        return True
+    first = live[0]
+    if verdicts[first] == "established":
+        k, n = res.counts[first]
+        res.chosen, res.verdict = first, "established"
+        cheaper = ("the cheapest candidate" if first == candidates[0] else
+                   f"{', '.join(candidates[:candidates.index(first)])} ruled out")
+        res.reason = (f"{first} gives the oracle's decision on {k} of {n} pairs (lower bound "
+                      f"{seq.lower(k, n):.3f} >= {seq.threshold:g}; {cheaper}); {relevance}")
+        return True
+    if final:
+        done = [s for s in candidates if verdicts[s] == "established"]
+        if done:
+            k, n = res.counts[done[0]]
+            res.chosen, res.verdict = done[0], "established"
+            res.reason = (f"{done[0]} is established (lower bound {seq.lower(k, n):.3f}); cheaper candidates "
+                          f"were still open after {res.pairs} pairs; {relevance}")
+        else:
+            res.chosen, res.verdict = "oracle", "budget"
+            res.reason = (f"no candidate established or ruled out within {res.pairs} pairs (the budget): the "
+                          f"oracle until more pairs are measured; {relevance}")
+    return False
+
+
+def _share(seq: Sequence, k: int, n: int) -> dict:
+    return {"k": int(k), "n": int(n), "value": k / n if n else float("nan"), "lo": seq.lower(k, n),
+            "hi": seq.upper(k, n)}
+
+
+def summarize(rows: pd.DataFrame, results: list[FieldResult], seq: Sequence, change_seq: Sequence,
+              candidates: list[str]) -> pd.DataFrame:
+    """One row per (field, strategy): agreement with the oracle over all pairs, on the pairs where
+    the oracle's decision changed, and spurious flips where it did not, each with its interval
+    from the confidence sequence; recompute share and repair time; the field's relevance."""
+    out = []
+    for res in results:
+        got = rows[(rows.field == res.name) & rows.skip.isna()] if len(rows) else rows
+        if len(got):  # skipped pairs' rows hold no verdicts: the measured ones' columns are booleans
+            got = got.astype({"agree": bool, "changed": bool})
+        ch = _share(change_seq, res.changed, res.pairs)
+        oracle = got[got.strategy == "oracle"] if len(got) else got
+        oracle_ms = 1000 * float(oracle.to_decision_s.median()) if len(oracle) else float("nan")
+        for s in candidates:
+            g = got[got.strategy == s] if len(got) else got
+            changed, same = (g[g.changed], g[~g.changed]) if len(g) else (g, g)
+            agree = _share(seq, int(g.agree.sum()) if len(g) else 0, len(g))
+            on_changed = _share(seq, int(changed.agree.sum()) if len(changed) else 0, len(changed))
+            flips = int((~same.agree).sum()) if len(same) else 0
+            fl = _share(seq, len(same) - flips, len(same))  # the no-flip share's interval, turned around
+            out.append({
+                "field": res.name, "strategy": s, "pairs": res.pairs, "skipped": res.skipped,
+                "change_rate": ch["value"], "change_lo": ch["lo"], "change_hi": ch["hi"],
+                "agree": agree["value"], "agree_lo": agree["lo"], "agree_hi": agree["hi"],
+                "n_changed": len(changed), "agree_changed": on_changed["value"], "agree_changed_lo": on_changed["lo"],
+                "agree_changed_hi": on_changed["hi"], "n_unchanged": len(same), "spurious_flips": flips,
+                "flip_rate": flips / len(same) if len(same) else float("nan"), "flip_lo": 1 - fl["hi"],
+                "flip_hi": 1 - fl["lo"] if len(same) else 1.0,
+                "frac_recomputed": float(g.frac_recomputed.mean()) if len(g) and "frac_recomputed" in g else float("nan"),
+                "to_decision_ms": 1000 * float(g.to_decision_s.median()) if len(g) and "to_decision_s" in g
+                else float("nan"),
+                "errors": int(g.error.notna().sum()) if "error" in g else 0,
+                "verdict": seq.verdict(int(g.agree.sum()), len(g)) if len(g) else "open",
+                "oracle_ms": oracle_ms, "chosen": res.chosen == s, "minutes": res.seconds / 60,
+            })
+    return pd.DataFrame(out)
+
+
+def relevance_of(res: FieldResult, change_seq: Sequence) -> str:
+    if res.verdict == "degenerate":
+        return "degenerate"
+    if res.changed == 0:
+        return "inert"
+    lo = change_seq.lower(res.changed, res.pairs)
+    return "gating" if lo >= 0.5 else "mixed"
+
+
+def policy_of(lm, spec: CalibrationSpec, results: list[FieldResult], summary: pd.DataFrame, seq: Sequence,
+              candidates: list[str], max_pairs: int) -> dict:
+    """The per-field policy (kvprobe.field_policy reads it)."""
+    from kvprobe.field_policy import SCHEMA, method_line
+    from kvprobe.results import MODEL_KEYS
+
+    fp = lm.fingerprint()
+    change_seq = Sequence(threshold=seq.threshold)
+    fields = {}
+    for res in results:
+        rows = summary[summary.field == res.name]
+        fields[res.name] = {
+            "repair": res.chosen, "verdict": res.verdict, "reason": res.reason,
+            "relevance": relevance_of(res, change_seq), "pairs": res.pairs, "skipped_pairs": res.skipped,
+            "change_rate": {"k": res.changed, "n": res.pairs, "lo": round(change_seq.lower(res.changed, res.pairs), 4),
+                            "hi": round(change_seq.upper(res.changed, res.pairs), 4)},
+            "minutes": round(res.seconds / 60, 2),
+            "strategies": {r.strategy: {"agree": round(r.agree, 4), "agree_lo": round(r.agree_lo, 4),
+                                        "agree_hi": round(r.agree_hi, 4), "n": int(r.pairs),
+                                        "spurious_flips": int(r.spurious_flips), "n_unchanged": int(r.n_unchanged),
+                                        "flip_hi": round(r.flip_hi, 4), "verdict": r.verdict,
+                                        "frac_recomputed": round(r.frac_recomputed, 4),
+                                        "to_decision_ms": round(r.to_decision_ms, 1)} for r in rows.itertuples()},
+        }
+    return {"kvprobe_field_policy": SCHEMA, "model": {"spec": fp["spec"], **{k: fp[k] for k in MODEL_KEYS}},
+            "template": {"path": spec.path, "sha256": spec.digest(), "fields": list(spec.fields)},
+            "threshold": seq.threshold, "alpha_lower": ALPHA_LOWER, "alpha_upper": ALPHA_UPPER,
+            "candidates": candidates, "max_pairs": max_pairs, "method": method_line(seq),
+            "default": "oracle", "fields": fields}

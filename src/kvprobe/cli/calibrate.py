@@ -1,0 +1,103 @@
+"""``kvprobe calibrate``: a per-field repair policy for the user's own template (docs/calibrate.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from kvprobe.cli import options as opt
+from kvprobe.cli.common import console, load_with_status, progress_bar, usable_out
+from kvprobe.errors import UsageError
+
+
+def calibrate(spec: Path = typer.Argument(..., help="a calibration spec (YAML: template, fields, question, options, "
+                                                    "system); examples/calibrate-toy.yaml"),
+              model: opt.Model = opt.DEFAULTS["model"],
+              candidates: str = typer.Option("field_only,erratum_turn:neutral,erratum_turn",
+                                             help="the repairs to measure, cheapest first (comma-separated specs)"),
+              threshold: float = typer.Option(0.95, help="a repair is established when the lower bound of its "
+                                                         "agreement with the oracle reaches this, in (0, 1)"),
+              max_pairs: int = typer.Option(200, min=1, help="oracle-checked pairs per field at most"),
+              seed: opt.Seed = 0, form: opt.Form = opt.DEFAULTS["form"],
+              dtype: opt.Dtype = "float32", device: opt.Device = "cpu", device_map: opt.DeviceMap = "none",
+              allow_failed_toy: opt.AllowFailedToy = False, out: opt.Out = None) -> None:
+    """Learn which repair each field of a template needs: per field, how often an edit changes the
+    oracle's decision, each candidate's agreement and spurious flips with intervals valid under
+    early stopping, and the chosen repair. Writes field_policy.yaml (read by auto, EditableContext
+    and diagnose --policy), calibration.parquet and calibration_summary.parquet.
+
+    Exits 1 when a field's verdict is not established within --max-pairs (the policy then gives
+    that field the oracle).
+    """
+    import math
+
+    from kvprobe import field_policy
+    from kvprobe.calibrate.engine import (CALIBRATION, MANIFEST, POLICY_FILE, SUMMARY, calibrate as run_calibration,
+                                          load_spec)
+    from kvprobe.editor.strategies import parse_strategy
+    from kvprobe.errors import CheckFailed
+    from kvprobe.results import CALIBRATE_CLAIM, ResultsFolder, atomic_write_parquet
+
+    if not (math.isfinite(threshold) and 0 < threshold < 1):
+        raise UsageError(f"--threshold must be a number in (0, 1), got {threshold}")
+    specs = [parse_strategy(s).spec for s in opt.parse_csv(candidates)]
+    cal_spec = load_spec(spec)
+    out = usable_out(out or opt.default_out("calibrate", model))
+    # --max-pairs is not a claim setting: a field's pairs are drawn in one order whatever the budget,
+    # so a rerun with a larger budget continues where the last one stopped
+    folder = ResultsFolder(out, CALIBRATE_CLAIM, {
+        "model": model, "spec": cal_spec.digest(), "candidates": specs, "threshold": threshold, "seed": seed,
+        "form": form}, held="calibration with other settings", dtype=dtype)
+    folder.check()
+    lm = load_with_status(model, dtype, device, allow_failed_toy=allow_failed_toy, device_map=device_map)
+    folder.claim(lm)
+    with progress_bar() as bar:
+        tasks = {name: bar.add_task(f"calibrating {name}", total=max_pairs) for name in cal_spec.fields}
+
+        def progress(name: str, done: int, total: int):
+            bar.update(tasks[name], completed=done)
+
+        cal = run_calibration(lm, cal_spec, candidates=specs, threshold=threshold, max_pairs=max_pairs, seed=seed,
+                              form=form, parts=lambda name: folder.parts(f"pairs/{name}"), progress=progress)
+    atomic_write_parquet(cal.rows, out / CALIBRATION)
+    atomic_write_parquet(cal.summary, out / SUMMARY)
+    policy_path = field_policy.write(cal.policy, out / POLICY_FILE)
+    folder.write(MANIFEST, folder.manifest(lm, kvprobe_calibrate=1, spec=str(spec), template=cal.policy["template"],
+                                           settings=folder.settings, method=cal.policy["method"],
+                                           fields={f.name: {"pairs": f.pairs, "skipped": f.skipped,
+                                                            "minutes": round(f.seconds / 60, 2)} for f in cal.fields}))
+    print_table(cal, model, threshold)
+    console.print(f"wrote {policy_path} (use it: --policy / EditableContext(policy=...) / auto:{policy_path})")
+    open_fields = [f.name for f in cal.fields if f.verdict == "budget"]
+    if open_fields:
+        raise CheckFailed(f"no verdict within {max_pairs} pairs for {', '.join(open_fields)}: the policy gives "
+                          f"{'it' if len(open_fields) == 1 else 'them'} the oracle; rerun with a larger --max-pairs "
+                          f"into the same --out to continue")
+
+
+def print_table(cal, model: str, threshold: float) -> None:
+    def share(v, lo, hi, k=None, n=None):
+        if n == 0 or v != v:
+            return "-"
+        return f"{v:.2f} [{lo:.2f}, {hi:.2f}]" + (f" {k}/{n}" if n is not None else "")
+
+    table = Table(title=f"per-field calibration: {model} (threshold {threshold:g}; intervals: confidence sequence)")
+    for col in ("field", "relevance", "pairs", "strategy", "agrees with oracle", "on changed pairs",
+                "spurious flips", "recomputed", "ms to decision", "verdict"):
+        table.add_column(col, justify="left" if col in ("field", "strategy", "relevance", "verdict") else "right")
+    for res in cal.fields:
+        rel = cal.policy["fields"][res.name]["relevance"]
+        rows = cal.summary[cal.summary.field == res.name]
+        for i, r in enumerate(rows.itertuples()):
+            flips = "-" if not r.n_unchanged else f"{r.spurious_flips}/{r.n_unchanged} (<= {r.flip_hi:.2f})"
+            table.add_row(res.name if i == 0 else "", rel if i == 0 else "", str(res.pairs) if i == 0 else "",
+                          ("* " if r.chosen else "  ") + r.strategy, share(r.agree, r.agree_lo, r.agree_hi),
+                          share(r.agree_changed, r.agree_changed_lo, r.agree_changed_hi, n=None)
+                          if r.n_changed else "-", flips,
+                          f"{r.frac_recomputed:.1%}" if r.frac_recomputed == r.frac_recomputed else "-",
+                          f"{r.to_decision_ms:.0f}" if r.to_decision_ms == r.to_decision_ms else "-", r.verdict)
+    console.print(table)
+    for res in cal.fields:
+        console.print(f"{res.name}: {res.chosen} ({res.verdict}): {res.reason}", highlight=False, markup=False)

@@ -1,0 +1,169 @@
+"""kvprobe calibrate: the confidence sequence's coverage under its stopping rule, the spec and value
+sets, the per-field loop on a toy (its refusals, its resume) and auto reading a field policy."""
+
+from __future__ import annotations
+
+import random
+
+import pandas as pd
+import pytest
+import yaml
+
+import kvprobe
+from kvprobe.calibrate.engine import calibrate, load_spec, measure_pair
+from kvprobe.calibrate.stats import Sequence, first_look, simulate_coverage
+from kvprobe.calibrate.values import parse_values
+from kvprobe.errors import KvprobeError
+from tests.cli.test_conventions import error_line, kvprobe as cli
+
+TOY_SPEC = "examples/calibrate-toy.yaml"
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("p", [0.90, 0.95, 0.99])
+def test_the_interval_at_the_stopping_time_covers_the_rate(p, m):
+    """Bernoulli streams stopped by the shipped rule (the first look with a verdict, else 300 pairs):
+    the interval reported there holds p in at least the nominal 95% of 10,000 streams, and a wrong
+    verdict (established below the threshold, ruled out at or above it) is rarer than alpha."""
+    seq = Sequence(threshold=0.95, m=m)
+    got = simulate_coverage(p, seq, trials=10_000, max_n=300, seed=int(p * 100) + m)
+    assert got["coverage"] >= got["nominal"] == pytest.approx(0.95), got
+    assert got["wrong_verdicts"] <= seq.alpha_lower + seq.alpha_upper, got
+
+
+def test_a_naive_interval_would_not_cover_under_the_same_stopping():
+    """The check can fail: a fixed-n 95% Clopper-Pearson interval, looked at after every pair and
+    stopped by the same rule, misses p = 0.95 far more often than 5%."""
+    import numpy as np
+    from scipy.stats import beta
+
+    n = np.arange(301)[:, None].astype(float)
+    k = np.arange(301)[None, :].astype(float)
+    with np.errstate(all="ignore"):
+        lo = np.nan_to_num(np.where((k > 0) & (k <= n), beta.ppf(0.025, np.maximum(k, 1), np.maximum(n - k + 1, 1)), 0))
+        hi = np.nan_to_num(np.where(k < n, beta.isf(0.025, k + 1, np.maximum(n - k, 1)), 1.0), nan=1.0)
+    x = np.random.default_rng(0).random((5000, 300)) < 0.95
+    ks = np.concatenate([np.zeros((5000, 1), int), np.cumsum(x, axis=1)], axis=1)
+    looks = np.arange(301)[None, :]
+    stop_lo, stop_hi = lo[looks, ks], hi[looks, ks]
+    decided = (stop_lo >= 0.95) | (stop_hi < 0.95)
+    decided[:, 0], decided[:, 300] = False, True
+    at = decided.argmax(axis=1)
+    rows = np.arange(5000)
+    covered = (stop_lo[rows, at] <= 0.95) & (0.95 <= stop_hi[rows, at])
+    assert 1 - covered.mean() > 0.06, covered.mean()
+
+
+def test_the_first_look_is_where_an_unbroken_run_first_reaches_the_threshold():
+    seq = Sequence(threshold=0.95, m=1)
+    assert seq.n0 == first_look(0.95, 0.045) == 62
+    assert seq.lower(62, 62) >= 0.95 > seq.lower(61, 61)
+    assert seq.verdict(62, 62) == "established" and seq.verdict(61, 62) == "open"
+    assert Sequence(threshold=0.95, m=3).n0 == 83  # three candidates share alpha
+    assert seq.verdict(10, 30) == "ruled out"
+
+
+def test_value_sets():
+    rng = random.Random(0)
+    assert parse_values(["a", "b"], "x").other("a", rng) == "b"
+    ts = parse_values("timestamp", "x").sample(rng)
+    assert len(ts) == 16 and ts[4] == "-" and ts[10] == " "
+    assert parse_values("id:ord", "x").sample(rng).startswith("ord-")
+    assert 3 <= int(parse_values("int:3:5", "x").sample(rng)) <= 5
+    for bad, text in ((["a", "a"], "two different"), ("int:5:3", "LO < HI"), ("colour", "unknown value set"),
+                      ("", "not a value set")):
+        with pytest.raises(KvprobeError, match=text):
+            parse_values(bad, "f.yaml: fields.x")
+
+
+def test_a_bad_spec_is_one_line_naming_the_file(tmp_path):
+    good = yaml.safe_load(open(TOY_SPEC))
+    cases = {"no-question": {k: v for k, v in good.items() if k != "question"},
+             "extra-field": {**good, "fields": {**good["fields"], "nonce": ["n1", "n2"]}},
+             "one-option": {**good, "options": ["yes"]}, "unknown-key": {**good, "colour": 1}}
+    for name, data in cases.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        with pytest.raises(KvprobeError, match=name.split("-")[0] if name != "extra-field" else "fields") as exc:
+            load_spec(path)
+        assert str(path) in str(exc.value) and "\n" not in str(exc.value)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    return kvprobe.load("toy-qwen2")
+
+
+def test_a_pair_is_scored_against_the_oracle(toy):
+    spec = load_spec(TOY_SPEC)
+    base = {"subscription_tier": "gold", "timestamp": "2024-05-01T10:00", "request_id": "req-31842"}
+    df = measure_pair(toy, spec, "subscription_tier", base, "free", ["field_only", "erratum_turn"])
+    assert list(df.strategy) == ["stale", "oracle", "field_only", "erratum_turn"]
+    oracle = df[df.strategy == "oracle"].iloc[0]
+    assert oracle.agree and oracle.answer == oracle.oracle
+    assert set(df.changed) == {oracle.oracle != oracle.stale}
+    assert (df.agree == (df.answer == df.oracle)).all()
+
+
+def test_an_edit_the_tokenizer_cannot_see_is_refused_not_ranked(toy, tmp_path):
+    """toy-qwen2's tokenizer maps unknown words to [UNK]: an edit between two of them changes no
+    token id, so no repair is ranked; the field is called degenerate after 10 such draws."""
+    data = yaml.safe_load(open(TOY_SPEC))
+    data["fields"]["request_id"] = ["zzqxa", "yyqwb", "wwvuc"]
+    (tmp_path / "unk.yaml").write_text(yaml.safe_dump(data))
+    cal = calibrate(toy, load_spec(tmp_path / "unk.yaml"), max_pairs=1, candidates=["field_only"])
+    res = {f.name: f for f in cal.fields}["request_id"]
+    assert res.verdict == "degenerate" and res.chosen == "none" and res.pairs == 0 and res.skipped == 10
+    assert "same token ids" in res.reason and "[UNK]" in res.reason
+    assert cal.policy["fields"]["request_id"]["relevance"] == "degenerate"
+
+
+def test_calibrate_command_writes_a_policy_and_resumes_with_a_larger_budget(tmp_path):
+    out = tmp_path / "cal"
+    first = cli("calibrate", TOY_SPEC, "--model", "toy-qwen2", "--max-pairs", "2", "--out", out)
+    assert first.returncode == 1, first.stderr[-2000:]  # no verdict within 2 pairs: said, exit 1
+    assert "no verdict within 2 pairs" in first.stderr
+    policy = yaml.safe_load((out / "field_policy.yaml").read_text())
+    assert policy["kvprobe_field_policy"] == 1 and set(policy["fields"]) == {"subscription_tier", "timestamp",
+                                                                              "request_id"}
+    assert all(f["repair"] == "oracle" and f["verdict"] == "budget" for f in policy["fields"].values())
+    rows = pd.read_parquet(out / "calibration.parquet")
+    again = cli("calibrate", TOY_SPEC, "--model", "toy-qwen2", "--max-pairs", "3", "--out", out)
+    assert again.returncode == 1, again.stderr[-2000:]
+    more = pd.read_parquet(out / "calibration.parquet")
+    keep = ["field", "old_value", "new_value", "strategy", "answer", "oracle"]
+    first_pairs = more.merge(rows[keep], on=keep, how="inner")
+    assert len(first_pairs) == len(rows)  # the first two pairs of each field were read back, not redrawn
+    assert len(more) == len(rows) * 3 // 2
+    line = error_line(cli("calibrate", TOY_SPEC, "--model", "toy-qwen2", "--threshold", "0.9", "--out", out), 2)
+    assert "calibration with other settings" in line and "threshold" in line
+
+
+def test_auto_takes_the_repair_each_field_was_calibrated_to(toy, tmp_path):
+    """A field policy names a repair per field: auto applies it without its runtime check, says
+    why, and gives a field the policy did not calibrate the policy's default (the oracle)."""
+    from kvprobe.results import MODEL_KEYS
+    from tests.unit.test_api import context_of
+    from kvprobe.datasets import generate
+
+    fp = toy.fingerprint()
+    policy = {"kvprobe_field_policy": 1, "model": {"spec": fp["spec"], **{k: fp[k] for k in MODEL_KEYS}},
+              "threshold": 0.95, "default": "oracle",
+              "fields": {"subscription_tier": {"repair": "erratum_turn:neutral", "verdict": "established",
+                                               "reason": "measured"}}}
+    path = tmp_path / "field_policy.yaml"
+    path.write_text(yaml.safe_dump(policy))
+    cases = [c for c in generate(40, seed=1) if c.field == "subscription_tier"][:1]
+    others = [c for c in generate(40, seed=1) if c.field not in ("subscription_tier",)][:1]
+    for case, want, why in ((cases[0], "erratum_turn:neutral", "measured"), (others[0], "oracle", "not calibrated")):
+        ctx = context_of(toy, case, policy=path)
+        state = ctx.edit(**{case.field: case.new_value})
+        assert state.chose == want and why in state.reason, (state.chose, state.reason)
+        fixed = ctx.edit(strategy=want, **{case.field: case.new_value})
+        assert state.answer() == fixed.answer()
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**policy, "threshold": 5}))
+    with pytest.raises(KvprobeError, match=r"threshold is 5, accepted: a number in \(0, 1\)"):
+        kvprobe.EditableContext(toy, policy=tmp_path / "bad.yaml")
+    other = kvprobe.load("toy-llama")
+    with pytest.raises(KvprobeError, match="was calibrated for toy-qwen2"):
+        kvprobe.EditableContext(other, policy=str(path))
