@@ -101,3 +101,48 @@ def test_help_into_a_closed_pipe_gives_no_traceback():
     proc = subprocess.run(f"{sys.executable} -c 'from kvprobe.cli.app import main; main()' run --help | head -1",
                           shell=True, capture_output=True, text=True, timeout=120)
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+
+# -- options, signals and messages (issue 28) ------------------------------------------------------
+@pytest.mark.parametrize(("args", "needle"), [
+    (["run", "--model", "tiny-llama", "--n", "3", "--n", "4"], "--n is given twice ('--n 3' and '--n 4')"),
+    (["sweep", "--model", "tiny-llama", "--n=3", "--n", "4"], "--n is given twice ('--n 3' and '--n 4')"),
+    (["sweep", "--model", "tiny-llama", "--report", "--no-report"],
+     "--report/--no-report is given twice ('--report' and '--no-report')"),
+])
+def test_a_repeated_single_valued_option_is_refused(tmp_path, args, needle):
+    proc = kvprobe(*args, "--out", tmp_path / "out")
+    one_line_error(proc, needle, "give it once")
+    assert proc.returncode == 2 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["export-topk", "compare"])
+def test_a_nan_threshold_is_not_a_number_in_its_range(tmp_path, command):
+    proc = kvprobe(command, tmp_path, "--threshold", "nan")
+    one_line_error(proc, "--threshold 'nan' is not a number (NaN); give a number in [0, 1]")
+    assert proc.returncode == 2
+
+
+def test_a_full_disk_during_a_sweep_is_one_line_and_exit_4(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from kvprobe.cli import app as cli_app
+    from kvprobe.results import CaseStore
+
+    def full(self, case_id, df):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(CaseStore, "save", full)
+    monkeypatch.setattr(cli_app, "_quiet_third_parties", lambda: None)  # no environment set for later tests
+    monkeypatch.setattr(sys, "argv", ["kvprobe", "sweep", "--model", "tiny-llama", "--layouts", "record",
+                                      "--filler-tokens", "0", "--n", "2", "--strategies", "stale", "--out",
+                                      str(tmp_path / "sweep"), "--no-report"])
+    with pytest.raises(SystemExit) as info:
+        cli_app.main()
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert info.value.code == 4, err
+    assert lines[-1] == ("error: the disk is full: No space left on device; free some space and rerun the same "
+                         "command (finished work is kept)"), err
+    assert "Traceback" not in err and not [ln for ln in lines if ln.startswith("error:")][:-1]
