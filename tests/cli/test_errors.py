@@ -124,6 +124,23 @@ def test_a_nan_threshold_is_not_a_number_in_its_range(tmp_path, command):
     assert proc.returncode == 2
 
 
+@pytest.mark.parametrize("command", [["models"], ["models", "fetch", "smollm2-135m"], ["toy", "train", "--family",
+                                     "qwen2"], ["serve", "stop"]])
+def test_a_kvprobe_home_that_is_a_file_or_cannot_be_written(tmp_path, command):
+    import os
+
+    a_file = tmp_path / "home.txt"
+    a_file.write_text("not a folder\n")
+    homes = [(a_file, f"KVPROBE_HOME {a_file} is a file"),
+             ("/sys/kvprobe-test-home", "KVPROBE_HOME /sys/kvprobe-test-home cannot be created")]
+    if command != ["models"]:  # an existing home that cannot be written: listing reads only, the others write
+        homes.append(("/proc", "/proc"))
+    for home, needle in homes:
+        proc = kvprobe(*command, env={**os.environ, "KVPROBE_HOME": str(home)})
+        one_line_error(proc, needle, "set KVPROBE_HOME to a folder you can write")
+        assert proc.returncode == 4, (home, proc.stderr)
+
+
 def test_a_full_disk_during_a_sweep_is_one_line_and_exit_4(tmp_path, monkeypatch, capsys):
     import errno
 
