@@ -117,10 +117,68 @@ def test_a_repeated_single_valued_option_is_refused(tmp_path, args, needle):
     assert proc.returncode == 2 and not (tmp_path / "out").exists()
 
 
+def test_a_repeated_diagnose_value_is_refused(tmp_path):
+    prompt = tmp_path / "loan.txt"
+    prompt.write_text("Approve a refund only if tier is gold.\ntier: {tier}\n")
+    proc = kvprobe("diagnose", prompt, "--model", "toy-qwen2", "--question", "Approve?", "--field", "tier",
+                   "--value", "tier=gold", "--value", "tier=premium", "--new", "silver")
+    one_line_error(proc, "--value tier= is given twice ('gold' and 'premium')")
+    assert proc.returncode == 2
+
+
 @pytest.mark.parametrize("command", ["export-topk", "compare"])
 def test_a_nan_threshold_is_not_a_number_in_its_range(tmp_path, command):
     proc = kvprobe(command, tmp_path, "--threshold", "nan")
     one_line_error(proc, "--threshold 'nan' is not a number (NaN); give a number in [0, 1]")
+    assert proc.returncode == 2
+
+
+@pytest.mark.parametrize(("option", "value", "held"), [("--question", "Approve?", "question"),
+                                                       ("--system", "Be brief.", "system message"),
+                                                       ("--value", "tier=gold", "field values")])
+def test_diagnose_refuses_the_text_prompt_options_with_a_jsonl_case(tmp_path, option, value, held):
+    from kvprobe.datasets import generate, save_jsonl
+
+    path = save_jsonl(generate(2, seed=0), tmp_path / "cases.jsonl")
+    proc = kvprobe("diagnose", f"{path}:1", "--model", "toy-qwen2", option, value)
+    one_line_error(proc, f"{option} is for a text prompt; a JSONL case holds its own {held}")
+    assert proc.returncode == 2
+
+
+def test_a_missing_or_folder_prompt_is_bad_input_like_a_missing_dataset(tmp_path):
+    proc = kvprobe("diagnose", tmp_path / "nope.txt", "--model", "toy-qwen2", "--new", "x")
+    one_line_error(proc, "nope.txt: no such prompt file")
+    assert proc.returncode == 3
+    proc = kvprobe("diagnose", tmp_path, "--model", "toy-qwen2", "--new", "x")
+    one_line_error(proc, f"{tmp_path} is a folder; give a prompt file")
+    assert proc.returncode == 3
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["edit", "--model", "tiny-llama", "--few-shot", "2"], "--few-shot shapes generated cases"),
+    (["run", "--model", "tiny-llama", "--few-shot", "2"], "--few-shot shapes generated cases"),
+    (["datasets", "check", "--model", "tiny-llama", "--few-shot", "1", "--seed", "3"],
+     "--few-shot and --seed shape generated cases"),
+    (["datasets", "show", "--seed", "3"], "--seed shapes generated cases"),
+])
+def test_options_that_shape_generated_data_are_refused_with_a_jsonl_dataset(tmp_path, args, needle):
+    from kvprobe.datasets import generate, save_jsonl
+
+    data = save_jsonl(generate(2, seed=0), tmp_path / "cases.jsonl")
+    out = ["--out", tmp_path / "out"] if args[0] in ("edit", "run") else []
+    proc = kvprobe(*args, "--dataset", data, *out)
+    one_line_error(proc, needle, "a JSONL dataset has its own")
+    assert proc.returncode == 2 and not (tmp_path / "out").exists()
+
+
+def test_toy_train_refuses_settings_it_would_ignore(tmp_path):
+    import shutil
+
+    from kvprobe.models.toy_folder import shipped_dir
+
+    folder = shutil.copytree(shipped_dir("qwen2"), tmp_path / "mytoy")
+    proc = kvprobe("toy", "train", "--family", "qwen2", "--out", folder, "--steps", "3")
+    one_line_error(proc, "already holds toy-qwen2, so --steps would be ignored", "--force")
     assert proc.returncode == 2
 
 

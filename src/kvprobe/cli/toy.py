@@ -66,6 +66,11 @@ def train(family: str = typer.Option(..., help=FAMILY_HELP),
     folder = usable_out(out) if out is not None else toy_folder.toy_dir(family)
     manifest = toy_folder.read_manifest(folder)
     if manifest is not None and not force:
+        ignored = [name for name, value in (("--seed", seed), ("--steps", steps)) if value is not None]
+        if ignored:
+            given = " and ".join(ignored)
+            raise UsageError(f"{folder} already holds toy-{manifest['family']}, so {given} would be ignored; add "
+                             f"--force to retrain it with {given}, or give another --out")
         console.print(f"{folder} already holds toy-{manifest['family']} (seed {manifest['seed']}, "
                       f"{manifest['train']['steps']} steps); --force retrains it")
         console.print(metrics_table(f"{folder}: held-out", manifest["heldout"]))
