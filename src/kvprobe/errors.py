@@ -46,7 +46,8 @@ class UsageError(KvprobeError):
     def from_validation(cls, exc, command: str) -> UsageError:
         """The first error of a pydantic ValidationError over a command's options, named as the option."""
         err = exc.errors()[0]
-        return cls(f"bad {command} option --{str(err['loc'][0]).replace('_', '-')}: {err['msg']}")
+        msg = str(err["msg"]).removeprefix("Value error, ")  # a validator's own message, as it wrote it
+        return cls(f"bad {command} option --{str(err['loc'][0]).replace('_', '-')}: {msg}")
 
 
 class CheckFailed(KvprobeError):

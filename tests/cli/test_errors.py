@@ -182,6 +182,17 @@ def test_toy_train_refuses_settings_it_would_ignore(tmp_path):
     assert proc.returncode == 2
 
 
+def test_sweep_refuses_all_controls_and_a_k_past_the_span_before_claiming_its_folder(tmp_path):
+    out = tmp_path / "sweep"
+    proc = kvprobe("sweep", "--model", "toy-qwen2", "--controls", "1.0", "--out", out)
+    one_line_error(proc, "--controls", "every one of the 40 cases of a cell a negative control")
+    assert proc.returncode == 2 and not out.exists()
+    proc = kvprobe("sweep", "--model", "toy-qwen2", "--layouts", "record", "--filler-tokens", "0", "--n", "2",
+                   "--strategies", "selective:100000:random", "--out", out)
+    one_line_error(proc, "selective:100000:random: K=100000 is larger than the downstream span of case")
+    assert proc.returncode == 2 and not out.exists()  # as `kvprobe run` refuses it
+
+
 @pytest.mark.parametrize("command", [["models"], ["models", "fetch", "smollm2-135m"], ["toy", "train", "--family",
                                      "qwen2"], ["serve", "stop"]])
 def test_a_kvprobe_home_that_is_a_file_or_cannot_be_written(tmp_path, command):
