@@ -182,6 +182,12 @@ def test_toy_train_refuses_settings_it_would_ignore(tmp_path):
     assert proc.returncode == 2
 
 
+def test_an_empty_model_spec_says_what_a_spec_can_be():
+    proc = kvprobe("datasets", "check", "--model", "", "--n", "1")
+    one_line_error(proc, "the model spec is empty; give a bundled alias, tiny-<family>, toy-<family>")
+    assert proc.returncode == 2
+
+
 def test_sweep_refuses_all_controls_and_a_k_past_the_span_before_claiming_its_folder(tmp_path):
     out = tmp_path / "sweep"
     proc = kvprobe("sweep", "--model", "toy-qwen2", "--controls", "1.0", "--out", out)
