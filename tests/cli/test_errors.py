@@ -182,6 +182,17 @@ def test_toy_train_refuses_settings_it_would_ignore(tmp_path):
     assert proc.returncode == 2
 
 
+def test_an_out_file_that_is_a_pipe_is_refused_not_replaced(tmp_path):
+    import os
+    import stat
+
+    fifo = tmp_path / "a-fifo"
+    os.mkfifo(fifo)  # as /dev/null would be: writing renames a temporary file over the path
+    proc = kvprobe("datasets", "generate", "--n", "2", "--out", fifo)
+    one_line_error(proc, f"--out {fifo} is not a regular file")
+    assert proc.returncode == 2 and stat.S_ISFIFO(fifo.lstat().st_mode)
+
+
 def test_an_empty_model_spec_says_what_a_spec_can_be():
     proc = kvprobe("datasets", "check", "--model", "", "--n", "1")
     one_line_error(proc, "the model spec is empty; give a bundled alias, tiny-<family>, toy-<family>")
