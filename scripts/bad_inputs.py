@@ -42,14 +42,16 @@ CLI = [sys.executable, "-c", "from kvprobe.cli.app import main; main()"]
 @dataclass
 class Bad:
     """One bad input: the kvprobe arguments (paths relative to the scratch folder), what is wrong,
-    the exit code it must give, text its message must quote literally, and a path it may write
-    (only for a command that legitimately runs before its check fails)."""
+    the exit code it must give, text its message must quote literally, a path it may write
+    (only for a command that legitimately runs before its check fails), and environment variables
+    set for it on top of the scratch folder's (a bad ``KVPROBE_HOME``)."""
 
     args: list[str]
     what: str
     expect: int
     quote: str | None = None
     writes: str | None = None
+    env: dict[str, str] | None = None
 
 
 @dataclass
@@ -118,9 +120,9 @@ def env_for(scratch: Path) -> dict:
     return env
 
 
-def kvprobe(args: list[str], scratch: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], cwd=scratch, env=env_for(scratch), capture_output=True, text=True,
-                          timeout=TIMEOUT_S, check=False)
+def kvprobe(args: list[str], scratch: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], cwd=scratch, env={**env_for(scratch), **(env or {})}, capture_output=True,
+                          text=True, timeout=TIMEOUT_S, check=False)
 
 
 def deterministic_bytes(n: int, seed: str) -> bytes:
@@ -239,6 +241,17 @@ def prepare(s: Path, say) -> None:
     (s / "no-field.txt").write_text("Approve a refund only if tier is gold.\n")
     (s / "broken.yaml").write_text("schema_version: [\n")
     (s / "old-topk.yaml").write_text("schema_version: 1\nmodel: {}\nk_star: null\n")
+    _prepare_options(s)
+
+
+def _prepare_options(s: Path) -> None:
+    """Fixtures of the options, signals and messages rows (issue 28)."""
+    from kvprobe.models.toy_folder import shipped_dir
+
+    (s / "home-file").write_text("a file where KVPROBE_HOME should be a folder\n")
+    (s / "prompt-folder").mkdir()
+    shutil.copytree(shipped_dir("qwen2"), s / "toy-held")  # a folder that already holds a toy
+    os.mkfifo(s / "a-fifo")  # an --out that is not a regular file (a rename over it would replace it)
 
 
 def unwritable_out(s: Path) -> tuple[str, str]:
@@ -400,6 +413,48 @@ def inputs(s: Path) -> list[Bad]:
         # a check that runs and fails
         Bad(["edit", *tiny, "--n", "2", "--strategies", "stale", "--out", "zero-valid"],
             "edit where no case is valid (tiny models have random weights)", 1, writes="zero-valid"),
+        # options, signals and messages (issue 28)
+        Bad(["run", "--model", "toy-qwen2", "--n", "3", "--n", "4", "--out", "r-opt"], "run --n given twice", 2,
+            quote="--n is given twice"),
+        Bad(["sweep", "--model", "toy-qwen2", "--report", "--no-report", "--out", "sw-opt"],
+            "sweep --report and --no-report", 2, quote="--report/--no-report is given twice"),
+        Bad([*DIAG, "--field", "tier", "--value", "tier=gold", "--value", "tier=premium", "--new", "silver"],
+            "diagnose --value for the same placeholder twice", 2, quote="--value tier= is given twice"),
+        Bad(["diagnose", "two.jsonl:1", "--model", "toy-qwen2", "--question", "Approve?"],
+            "diagnose: --question with a JSONL case (it holds its own)", 2, quote="--question"),
+        Bad(["diagnose", "two.jsonl:1", "--model", "toy-qwen2", "--system", "Be brief."],
+            "diagnose: --system with a JSONL case", 2, quote="--system"),
+        Bad(["diagnose", "two.jsonl:1", "--model", "toy-qwen2", "--value", "tier=gold"],
+            "diagnose: --value with a JSONL case", 2, quote="--value"),
+        Bad(["diagnose", "nope.txt", "--model", "toy-qwen2", "--new", "silver"], "diagnose: a missing prompt file", 3,
+            quote="nope.txt"),
+        Bad(["diagnose", "prompt-folder", "--model", "toy-qwen2", "--new", "silver"], "diagnose: a folder as prompt",
+            3, quote="prompt-folder is a folder"),
+        Bad(["export-topk", "run", "--threshold", "nan", "--out", "topk-nan.yaml"], "export-topk --threshold nan", 2,
+            quote="not a number"),
+        Bad(["compare", "run", "--threshold", "nan"], "compare --threshold nan", 2, quote="not a number"),
+        Bad(["sweep", "--model", "toy-qwen2", "--controls", "1.0", "--out", "sw-opt"],
+            "sweep --controls 1.0 (no decision case left)", 2, quote="--controls"),
+        Bad(["sweep", "--model", "toy-qwen2", "--layouts", "record", "--filler-tokens", "0", "--n", "2",
+             "--strategies", "selective:100000:random", "--out", "sw-opt"],
+            "sweep: selective K past a case's downstream span", 2, quote="selective:100000:random"),
+        Bad(["edit", *tiny, "--dataset", "two.jsonl", "--few-shot", "2", "--out", "e-opt"],
+            "edit --few-shot with a JSONL dataset", 2, quote="--few-shot"),
+        Bad(["datasets", "check", *tiny, "--dataset", "two.jsonl", "--seed", "3"],
+            "datasets check --seed with a JSONL dataset", 2, quote="--seed"),
+        Bad(["toy", "train", "--family", "qwen2", "--out", "toy-held", "--steps", "3"],
+            "toy train --steps into a folder holding a toy, without --force", 2, quote="--steps"),
+        Bad(["datasets", "check", "--model", "", "--n", "1"], "an empty --model", 2, quote="the model spec is empty"),
+        Bad(["datasets", "generate", "--n", "2", "--out", "a-fifo"], "datasets generate --out a named pipe", 2,
+            quote="not a regular file"),
+        *[Bad(args, f"`kvprobe {' '.join(args)}` with KVPROBE_HOME {what}", 4, quote="KVPROBE_HOME",
+              env={"KVPROBE_HOME": home})
+          for home, what in (("home-file", "a file"), ("/sys/kvprobe-bad-inputs-home", "that cannot be created"))
+          for args in (["models"], ["models", "fetch", "smollm2-135m"], ["toy", "train", "--family", "qwen2"],
+                       ["serve", "stop"])],
+        *[Bad(args, f"`kvprobe {' '.join(args)}` with KVPROBE_HOME a folder that cannot be written (/proc)", 4,
+              quote="KVPROBE_HOME", env={"KVPROBE_HOME": "/proc"})
+          for args in (["models", "fetch", "smollm2-135m"], ["toy", "train", "--family", "qwen2"])],
     ]
 
 
@@ -409,7 +464,7 @@ def run_one(bad: Bad, s: Path) -> Row:
     before = tree_hash(s, bad.writes)
     start = time.monotonic()
     try:
-        proc = kvprobe(bad.args, s)
+        proc = kvprobe(bad.args, s, bad.env)
         code: int | str = proc.returncode
         stderr = proc.stderr
     except subprocess.TimeoutExpired as exc:
@@ -435,7 +490,8 @@ def run_one(bad: Bad, s: Path) -> Row:
 
 
 def shown(bad: Bad, s: Path) -> str:
-    return " ".join(["kvprobe", *map(shlex.quote, bad.args)]).replace(str(s), "$S")
+    env = [f"{k}={shlex.quote(v)}" for k, v in (bad.env or {}).items()]
+    return " ".join([*env, "kvprobe", *map(shlex.quote, bad.args)]).replace(str(s), "$S")
 
 
 def cell(text: str) -> str:

@@ -189,6 +189,10 @@ class EditableContext:
         """The question whose answer is the decision, and its answer options (two, or none: then
         the decision is the top next token). An erratum re-asks it."""
         self._building()
+        if not isinstance(question, str) or not question.strip():
+            raise UsageError(f"the question is {'empty' if isinstance(question, str) else type(question).__name__}; "
+                             f"give the question whose answer is the decision as text, e.g. "
+                             f"ask('Is the loan issued?', options=['yes', 'no'])")
         if options is not None and len(options) != 2:
             raise UsageError(f"give two answer options, or none; got {len(options)}")
         self.question, self.options = question, list(options or [])
@@ -252,6 +256,10 @@ class EditableContext:
         if len(change) != 1:
             raise UsageError(f"edit one field at a time, e.g. edit(tier='silver'); got {len(change)}")
         (name, value), = change.items()
+        if not isinstance(strategy, (str, Strategy)):
+            raise UsageError(f"strategy must be a spec string such as 'auto' or 'selective:8:causal' (`kvprobe "
+                             f"strategies` lists them) or a Strategy object, got {type(strategy).__name__} "
+                             f"{strategy!r}")
         s = parse_strategy(strategy) if isinstance(strategy, str) else strategy
         with self.lm.lock:  # the repair's forward passes (and any hooks it hangs) hold the model
             ctx = self.context(name, value)

@@ -7,8 +7,10 @@ else is a bug and keeps its traceback. The exit codes (docs/cli.md documents the
     1    a gate or check ran and failed (CheckFailed)
     2    usage: a bad option, value or combination, or an --out that cannot be used (UsageError)
     3    bad input data or files: a dataset, config, model file or results folder (KvprobeError)
-    4    environment: a model that cannot be fetched, a missing or dead server (EnvironmentProblem)
+    4    environment: a model that cannot be fetched, a missing or dead server, a full disk or a
+         KVPROBE_HOME that cannot be written (EnvironmentProblem)
     130  interrupted (Ctrl-C); finished work is kept and the same command resumes
+    143  terminated (SIGTERM); finished work is kept and the same command resumes
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ EXIT_CODES = {
     1: "a gate or check ran and failed",
     2: "usage: a bad option, value or combination, or an --out that cannot be used",
     3: "bad input data or files: a dataset, config, model file or results folder",
-    4: "environment: a model that cannot be fetched, a missing or dead server",
+    4: "environment: a model that cannot be fetched, a missing or dead server, a full disk, an unwritable "
+       "KVPROBE_HOME",
     130: "interrupted (Ctrl-C); finished work is kept and the same command resumes",
+    143: "terminated (SIGTERM, 128 + 15); finished work is kept and the same command resumes",
 }
 
 
@@ -42,7 +46,8 @@ class UsageError(KvprobeError):
     def from_validation(cls, exc, command: str) -> UsageError:
         """The first error of a pydantic ValidationError over a command's options, named as the option."""
         err = exc.errors()[0]
-        return cls(f"bad {command} option --{str(err['loc'][0]).replace('_', '-')}: {err['msg']}")
+        msg = str(err["msg"]).removeprefix("Value error, ")  # a validator's own message, as it wrote it
+        return cls(f"bad {command} option --{str(err['loc'][0]).replace('_', '-')}: {msg}")
 
 
 class CheckFailed(KvprobeError):

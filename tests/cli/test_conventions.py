@@ -168,7 +168,7 @@ def test_exit_codes(tmp_path):
                    tmp_path / "e")
     if "0 of 1 decision cases valid" in proc.stdout:
         assert "no decision case" in error_line(proc, 1)
-    assert set(EXIT_CODES) == {0, 1, 2, 3, 4, 130}
+    assert set(EXIT_CODES) == {0, 1, 2, 3, 4, 130, 143}
     doc = (Path(__file__).parents[2] / "docs" / "cli.md").read_text()
     for code, meaning in EXIT_CODES.items():
         assert f"| {code} | {meaning} |" in doc

@@ -101,3 +101,151 @@ def test_help_into_a_closed_pipe_gives_no_traceback():
     proc = subprocess.run(f"{sys.executable} -c 'from kvprobe.cli.app import main; main()' run --help | head -1",
                           shell=True, capture_output=True, text=True, timeout=120)
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+
+# -- options, signals and messages (issue 28) ------------------------------------------------------
+@pytest.mark.parametrize(("args", "needle"), [
+    (["run", "--model", "tiny-llama", "--n", "3", "--n", "4"], "--n is given twice ('--n 3' and '--n 4')"),
+    (["sweep", "--model", "tiny-llama", "--n=3", "--n", "4"], "--n is given twice ('--n 3' and '--n 4')"),
+    (["sweep", "--model", "tiny-llama", "--report", "--no-report"],
+     "--report/--no-report is given twice ('--report' and '--no-report')"),
+])
+def test_a_repeated_single_valued_option_is_refused(tmp_path, args, needle):
+    proc = kvprobe(*args, "--out", tmp_path / "out")
+    one_line_error(proc, needle, "give it once")
+    assert proc.returncode == 2 and not (tmp_path / "out").exists()
+
+
+def test_a_repeated_diagnose_value_is_refused(tmp_path):
+    prompt = tmp_path / "loan.txt"
+    prompt.write_text("Approve a refund only if tier is gold.\ntier: {tier}\n")
+    proc = kvprobe("diagnose", prompt, "--model", "toy-qwen2", "--question", "Approve?", "--field", "tier",
+                   "--value", "tier=gold", "--value", "tier=premium", "--new", "silver")
+    one_line_error(proc, "--value tier= is given twice ('gold' and 'premium')")
+    assert proc.returncode == 2
+
+
+@pytest.mark.parametrize("command", ["export-topk", "compare"])
+def test_a_nan_threshold_is_not_a_number_in_its_range(tmp_path, command):
+    proc = kvprobe(command, tmp_path, "--threshold", "nan")
+    one_line_error(proc, "--threshold 'nan' is not a number (NaN); give a number in [0, 1]")
+    assert proc.returncode == 2
+
+
+@pytest.mark.parametrize(("option", "value", "held"), [("--question", "Approve?", "question"),
+                                                       ("--system", "Be brief.", "system message"),
+                                                       ("--value", "tier=gold", "field values")])
+def test_diagnose_refuses_the_text_prompt_options_with_a_jsonl_case(tmp_path, option, value, held):
+    from kvprobe.datasets import generate, save_jsonl
+
+    path = save_jsonl(generate(2, seed=0), tmp_path / "cases.jsonl")
+    proc = kvprobe("diagnose", f"{path}:1", "--model", "toy-qwen2", option, value)
+    one_line_error(proc, f"{option} is for a text prompt; a JSONL case holds its own {held}")
+    assert proc.returncode == 2
+
+
+def test_a_missing_or_folder_prompt_is_bad_input_like_a_missing_dataset(tmp_path):
+    proc = kvprobe("diagnose", tmp_path / "nope.txt", "--model", "toy-qwen2", "--new", "x")
+    one_line_error(proc, "nope.txt: no such prompt file")
+    assert proc.returncode == 3
+    proc = kvprobe("diagnose", tmp_path, "--model", "toy-qwen2", "--new", "x")
+    one_line_error(proc, f"{tmp_path} is a folder; give a prompt file")
+    assert proc.returncode == 3
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["edit", "--model", "tiny-llama", "--few-shot", "2"], "--few-shot shapes generated cases"),
+    (["run", "--model", "tiny-llama", "--few-shot", "2"], "--few-shot shapes generated cases"),
+    (["datasets", "check", "--model", "tiny-llama", "--few-shot", "1", "--seed", "3"],
+     "--few-shot and --seed shape generated cases"),
+    (["datasets", "show", "--seed", "3"], "--seed shapes generated cases"),
+])
+def test_options_that_shape_generated_data_are_refused_with_a_jsonl_dataset(tmp_path, args, needle):
+    from kvprobe.datasets import generate, save_jsonl
+
+    data = save_jsonl(generate(2, seed=0), tmp_path / "cases.jsonl")
+    out = ["--out", tmp_path / "out"] if args[0] in ("edit", "run") else []
+    proc = kvprobe(*args, "--dataset", data, *out)
+    one_line_error(proc, needle, "a JSONL dataset has its own")
+    assert proc.returncode == 2 and not (tmp_path / "out").exists()
+
+
+def test_toy_train_refuses_settings_it_would_ignore(tmp_path):
+    import shutil
+
+    from kvprobe.models.toy_folder import shipped_dir
+
+    folder = shutil.copytree(shipped_dir("qwen2"), tmp_path / "mytoy")
+    proc = kvprobe("toy", "train", "--family", "qwen2", "--out", folder, "--steps", "3")
+    one_line_error(proc, "already holds toy-qwen2, so --steps would be ignored", "--force")
+    assert proc.returncode == 2
+
+
+def test_an_out_file_that_is_a_pipe_is_refused_not_replaced(tmp_path):
+    import os
+    import stat
+
+    fifo = tmp_path / "a-fifo"
+    os.mkfifo(fifo)  # as /dev/null would be: writing renames a temporary file over the path
+    proc = kvprobe("datasets", "generate", "--n", "2", "--out", fifo)
+    one_line_error(proc, f"--out {fifo} is not a regular file")
+    assert proc.returncode == 2 and stat.S_ISFIFO(fifo.lstat().st_mode)
+
+
+def test_an_empty_model_spec_says_what_a_spec_can_be():
+    proc = kvprobe("datasets", "check", "--model", "", "--n", "1")
+    one_line_error(proc, "the model spec is empty; give a bundled alias, tiny-<family>, toy-<family>")
+    assert proc.returncode == 2
+
+
+def test_sweep_refuses_all_controls_and_a_k_past_the_span_before_claiming_its_folder(tmp_path):
+    out = tmp_path / "sweep"
+    proc = kvprobe("sweep", "--model", "toy-qwen2", "--controls", "1.0", "--out", out)
+    one_line_error(proc, "--controls", "every one of the 40 cases of a cell a negative control")
+    assert proc.returncode == 2 and not out.exists()
+    proc = kvprobe("sweep", "--model", "toy-qwen2", "--layouts", "record", "--filler-tokens", "0", "--n", "2",
+                   "--strategies", "selective:100000:random", "--out", out)
+    one_line_error(proc, "selective:100000:random: K=100000 is larger than the downstream span of case")
+    assert proc.returncode == 2 and not out.exists()  # as `kvprobe run` refuses it
+
+
+@pytest.mark.parametrize("command", [["models"], ["models", "fetch", "smollm2-135m"], ["toy", "train", "--family",
+                                     "qwen2"], ["serve", "stop"]])
+def test_a_kvprobe_home_that_is_a_file_or_cannot_be_written(tmp_path, command):
+    import os
+
+    a_file = tmp_path / "home.txt"
+    a_file.write_text("not a folder\n")
+    homes = [(a_file, f"KVPROBE_HOME {a_file} is a file"),
+             ("/sys/kvprobe-test-home", "KVPROBE_HOME /sys/kvprobe-test-home cannot be created")]
+    if command != ["models"]:  # an existing home that cannot be written: listing reads only, the others write
+        homes.append(("/proc", "/proc"))
+    for home, needle in homes:
+        proc = kvprobe(*command, env={**os.environ, "KVPROBE_HOME": str(home)})
+        one_line_error(proc, needle, "set KVPROBE_HOME to a folder you can write")
+        assert proc.returncode == 4, (home, proc.stderr)
+
+
+def test_a_full_disk_during_a_sweep_is_one_line_and_exit_4(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from kvprobe.cli import app as cli_app
+    from kvprobe.results import CaseStore
+
+    def full(self, case_id, df):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(CaseStore, "save", full)
+    monkeypatch.setattr(cli_app, "_quiet_third_parties", lambda: None)  # no environment set for later tests
+    monkeypatch.setattr(sys, "argv", ["kvprobe", "sweep", "--model", "tiny-llama", "--layouts", "record",
+                                      "--filler-tokens", "0", "--n", "2", "--strategies", "stale", "--out",
+                                      str(tmp_path / "sweep"), "--no-report"])
+    with pytest.raises(SystemExit) as info:
+        cli_app.main()
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert info.value.code == 4, err
+    assert lines[-1] == ("error: the disk is full: No space left on device; free some space and rerun the same "
+                         "command (finished work is kept)"), err
+    assert "Traceback" not in err and not [ln for ln in lines if ln.startswith("error:")][:-1]

@@ -1,5 +1,5 @@
-"""Ctrl-C during `kvprobe run`: exit 130, one line saying how to resume, and a resume whose tables
-equal an uninterrupted run's."""
+"""Ctrl-C (and SIGTERM) during `kvprobe run`: exit 130 (143), one line saying how to resume, and a
+resume whose tables equal an uninterrupted run's."""
 
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ def _compare():
     return module
 
 
-def interrupt_when(out: Path, stage: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Start the run into ``out`` and send SIGINT once ``stage`` has saved its first case part."""
+def interrupt_when(out: Path, stage: str, timeout: float = 300, sig: int = signal.SIGINT
+                   ) -> subprocess.CompletedProcess:
+    """Start the run into ``out`` and send ``sig`` once ``stage`` has saved its first case part."""
     proc = cli_process.start(*ARGS, "--out", out)
     parts = out / "parts" / stage
     deadline = time.monotonic() + timeout
@@ -34,14 +35,21 @@ def interrupt_when(out: Path, stage: str, timeout: float = 300) -> subprocess.Co
         assert proc.poll() is None, f"the run ended before {stage} saved a part: {proc.output()[1][-2000:]}"
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     return proc.wait(timeout=120)
 
 
+@pytest.fixture(scope="module")
+def full(tmp_path_factory) -> Path:
+    """An uninterrupted run, for the resumed ones to equal."""
+    out = tmp_path_factory.mktemp("interrupt") / "full"
+    proc = cli_process.run(*ARGS, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
 @pytest.mark.slow
-def test_sigint_in_locality_and_edits_then_resume_gives_the_same_tables(tmp_path):
-    full = cli_process.run(*ARGS, "--out", tmp_path / "full")
-    assert full.returncode == 0, full.stderr[-2000:]
+def test_sigint_in_locality_and_edits_then_resume_gives_the_same_tables(tmp_path, full):
 
     out = tmp_path / "resumed"
     for stage in ("locality", "edits"):
@@ -56,5 +64,23 @@ def test_sigint_in_locality_and_edits_then_resume_gives_the_same_tables(tmp_path
     resumed = cli_process.run(*ARGS, "--out", out)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     compare = _compare()
-    lines = compare.compare(tmp_path / "full", out, set(compare.TIMING))
+    lines = compare.compare(full, out, set(compare.TIMING))
+    assert lines and not [ln for ln in lines if ln.startswith("DIFF")], lines
+
+
+@pytest.mark.slow
+def test_sigterm_is_handled_like_sigint_exit_143_and_the_resume_gives_the_same_tables(tmp_path, full):
+    out = tmp_path / "terminated"
+    proc = interrupt_when(out, "edits", sig=signal.SIGTERM)
+    assert proc.returncode == 143, (proc.returncode, proc.stderr[-2000:])
+    last = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1]
+    assert last == "terminated (SIGTERM); finished work is saved: rerun the same command to resume", proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (out / "manifest.json").exists()
+    assert not list(out.rglob("*.tmp"))
+    assert (out / "locality.parquet").exists() and list((out / "parts" / "edits").glob("*.parquet"))
+    resumed = cli_process.run(*ARGS, "--out", out)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    compare = _compare()
+    lines = compare.compare(full, out, set(compare.TIMING))
     assert lines and not [ln for ln in lines if ln.startswith("DIFF")], lines

@@ -116,6 +116,26 @@ def test_unsupported_models_are_refused_in_one_line():
         kvprobe.load({"not": "a model"})
 
 
+def test_an_empty_model_spec_is_refused_in_kvprobes_words():
+    with pytest.raises(UsageError, match=r"^the model spec is empty; give a bundled alias, tiny-<family>, "
+                                         r"toy-<family>, a \.gguf path, a local Hugging Face folder or a toy folder"):
+        kvprobe.load("")
+
+
+def test_an_empty_question_is_refused_in_kvprobes_words(toy):
+    ctx = kvprobe.EditableContext(toy).add_text("Tier: ").add_field("tier", "gold")
+    for question in ("", "  "):
+        with pytest.raises(UsageError, match=r"^the question is empty; give the question whose answer is the "
+                                             r"decision as text"):
+            ctx.ask(question, options=["yes", "no"])
+
+
+def test_a_strategy_that_is_neither_a_spec_nor_a_strategy_is_refused_in_one_line(toy, cases):
+    case = cases[0]
+    with pytest.raises(UsageError, match=r"^strategy must be a spec string such as 'auto' .* got int 123$"):
+        context_of(toy, case).edit(strategy=123, **{case.field: case.new_value})
+
+
 @pytest.mark.parametrize(("change", "message"), [
     ({"tier": "silver"}, r"^no field 'tier' in this context; its fields: "),
     ({}, r"^edit one field at a time"),

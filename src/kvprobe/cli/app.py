@@ -7,9 +7,12 @@ modules import torch and transformers inside their commands, so ``kvprobe --help
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import signal
 import sys
+import threading
 
 import typer
 
@@ -39,6 +42,10 @@ HELP = ("Probe, edit and compose a language model's KV cache.\n\n"
         + "Exit codes: " + "; ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items()) + ".")
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 120}
 INTERRUPTED = "interrupted; finished work is saved: rerun the same command to resume"
+TERMINATED = "terminated (SIGTERM); finished work is saved: rerun the same command to resume"
+# OSErrors that are the machine's, not kvprobe's: one line and exit 4 (a full disk, a quota, a
+# read-only file system, a permission denied)
+ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, help=HELP, context_settings=CONTEXT)
 app.add_typer(models_app, name="models")
@@ -86,27 +93,76 @@ def _error(message: str) -> None:
                       highlight=False, soft_wrap=True, markup=False)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt: the same unwinding (finished parts
+    kept, no half-written file), then exit 143 (128 + 15) instead of 130."""
+
+
+_terminated: list[int] = []
+
+
+def _on_sigterm(signum, frame) -> None:
+    _terminated.append(signum)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the unwinding short
+    raise Terminated()
+
+
+def _disk_error(exc: OSError) -> str:
+    where = f" ({exc.filename})" if exc.filename else ""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"the disk is full{where}: {exc.strerror or exc}; free some space and rerun the same command "
+                f"(finished work is kept)")
+    return f"{exc.strerror or exc}{where}; kvprobe needs to write there: give a folder you can write"
+
+
+def _run_app() -> int:
+    from typer.main import get_command
+
+    from kvprobe.cli.argv import check_args
+
+    try:
+        check_args(get_command(app), sys.argv[1:])  # before anything runs
+        code = app(standalone_mode=False)
+    except KvprobeError as exc:
+        _error(str(exc))
+        return exc.exit_code
+    except KeyboardInterrupt:  # outside typer's own handling (which returns 130)
+        code = 130
+    except ClickException as exc:  # usage errors, in non-standalone mode
+        _error(exc.format_message())
+        return exc.exit_code
+    except Exit as exc:
+        code = exc.exit_code
+    except Abort:
+        code = 130
+    except OSError as exc:
+        if exc.errno not in ENVIRONMENT_ERRNOS:
+            raise  # a bug: keep its traceback
+        _error(_disk_error(exc))
+        return 4
+    if code == 130 and _terminated:
+        code = 143
+    if code in (130, 143):
+        err_console.print(TERMINATED if code == 143 else INTERRUPTED, highlight=False, markup=False, soft_wrap=True)
+    return code if isinstance(code, int) else 0
+
+
 def main() -> None:
-    """Console entry point: one-line errors with the documented exit codes, resumable interrupts."""
+    """Console entry point: one-line errors with the documented exit codes, resumable interrupts
+    (Ctrl-C and SIGTERM)."""
     _quiet_third_parties()
     if not sys.stdout.isatty():  # help into a pipe or a file: wide enough for the option lists
         import typer.rich_utils
 
         typer.rich_utils.MAX_WIDTH = typer.rich_utils.MAX_WIDTH or 120
+    _terminated.clear()
+    handle = (threading.current_thread() is threading.main_thread()
+              and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+    if handle:  # an ignored SIGTERM (SIG_IGN from the parent) stays ignored
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        code = app(standalone_mode=False)
-    except KvprobeError as exc:
-        _error(str(exc))
-        sys.exit(exc.exit_code)
-    except KeyboardInterrupt:  # outside typer's own handling (which returns 130)
-        code = 130
-    except ClickException as exc:  # usage errors, in non-standalone mode
-        _error(exc.format_message())
-        sys.exit(exc.exit_code)
-    except Exit as exc:
-        code = exc.exit_code
-    except Abort:
-        code = 130
-    if code == 130:
-        err_console.print(INTERRUPTED, highlight=False, markup=False, soft_wrap=True)
-    sys.exit(code if isinstance(code, int) else 0)
+        code = _run_app()
+    finally:
+        if handle:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    sys.exit(code)

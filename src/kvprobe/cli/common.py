@@ -123,5 +123,7 @@ def usable_file(out: Path, option: str = "--out") -> Path:
     """Refuse, before any work, an output file that is a folder or whose folder cannot be written."""
     if out.is_dir():
         raise UsageError(f"{option} {out} is a folder; give a file path")
+    if out.exists() and not out.is_file():  # written by renaming a temporary file over it: /dev/null would be replaced
+        raise UsageError(f"{option} {out} is not a regular file (a device, pipe or socket); give a file path")
     usable_out(out.parent, option)  # Path("x").parent is Path(".")
     return out

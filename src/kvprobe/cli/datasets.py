@@ -47,10 +47,8 @@ def show(dataset: opt.Dataset = "default", index: int = typer.Option(0, min=0, h
     from kvprobe.datasets import Skip, align, render_prompt, resolve_dataset
 
     knobs = {"layout": layout, "filler_tokens": filler_tokens, "field_style": field_style, "rule_style": rule_style}
-    if dataset not in (None, "default") and knobs != {"layout": "record", "filler_tokens": None, "field_style": "key",
-                                                     "rule_style": "allow"}:
-        raise UsageError("--layout, --filler-tokens, --field-style and --rule-style shape generated cases; a JSONL "
-                         "dataset has its own (drop them, or use --dataset default)")
+    opt.generated_only(dataset, layout=layout != "record", filler_tokens=filler_tokens is not None,
+                       field_style=field_style != "key", rule_style=rule_style != "allow", seed=seed != 0)
     cases = resolve_dataset(dataset, n=index + 1, seed=seed, **(knobs if dataset in (None, "default") else {}))
     if index >= len(cases):
         raise UsageError(f"index {index} is out of range; the dataset has {len(cases)} cases")
@@ -97,6 +95,7 @@ def check(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "defa
     from kvprobe.datasets import require_answers, resolve_dataset
     from kvprobe.probes.field_following import check_cases, summarize
 
+    opt.generated_only(dataset, few_shot=few_shot != 0, seed=seed != 0)
     if out is not None:
         usable_file(out)
     kwargs = {"few_shot": few_shot} if dataset in (None, "default") else {}

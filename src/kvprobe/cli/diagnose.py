@@ -47,8 +47,12 @@ def _template_case(prompt: Path, field: str | None, values: list[str], question:
     from kvprobe.api import first_message
     from kvprobe.datasets import EditCase
 
+    if prompt.is_dir():
+        raise KvprobeError(f"{prompt} is a folder; give a prompt file: a text file with {{name}} placeholders or a "
+                           f"JSONL case file")
     if not prompt.is_file():
-        raise UsageError(f"{prompt}: no such prompt file; give a text file with {{name}} placeholders or a JSONL file")
+        raise KvprobeError(f"{prompt}: no such prompt file; give a text file with {{name}} placeholders or a JSONL "
+                           f"file")
     try:
         text = prompt.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -59,7 +63,12 @@ def _template_case(prompt: Path, field: str | None, values: list[str], question:
         raise UsageError(f"{prompt}: not a template ({exc}); write {{name}} for a field, {{{{ and }}}} for braces") from None
     if field is None:
         raise UsageError(f"give --field NAME, the placeholder to edit; {prompt} has: {', '.join(names) or 'none'}")
-    given = dict(_pair(v) for v in values)
+    given: dict[str, str] = {}
+    for name, value in map(_pair, values):
+        if name in given:
+            raise UsageError(f"--value {name}= is given twice ({given[name]!r} and {value!r}); give each "
+                             f"placeholder's value once")
+        given[name] = value
     if field not in given:
         raise UsageError(f"give the current value of the field: --value {field}=VALUE")
     if question is None:
@@ -99,6 +108,12 @@ def diagnose(prompt: Prompt, model: opt.Model = opt.DEFAULTS["model"],
     if option_list and len(option_list) != 2:
         raise UsageError(f"bad --options {options!r}; give two comma-separated answer options, or none")
     if str(prompt).endswith(".jsonl") or ".jsonl:" in str(prompt):
+        for name, given, held in (("--question", question is not None, "question"),
+                                  ("--system", system is not None, "system message"),
+                                  ("--value", bool(value), "field values")):
+            if given:
+                raise UsageError(f"{name} is for a text prompt; a JSONL case holds its own {held} (edit the case, "
+                                 f"or give a text prompt with {{name}} placeholders)")
         case = _jsonl_case(prompt)
         if option_list:
             case = case.model_copy(update={"options": option_list})

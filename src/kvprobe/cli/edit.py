@@ -37,6 +37,7 @@ def edit(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "defau
                         min_flip=min_flip, probes=[], dtype=dtype, device=device, device_map=device_map)
     except ValidationError as exc:
         raise UsageError.from_validation(exc, "edit") from None
+    opt.generated_only(dataset, few_shot=few_shot != 0)
     out = usable_out(out or opt.default_out("edit", model))
     settings = {"command": "edit", "model": model, "dataset": dataset, "n": cfg.n, "seed": seed,
                 "strategies": cfg.strategies, "cot": cfg.cot, "form": form, "few_shot": few_shot, "min_flip": min_flip}

@@ -121,6 +121,20 @@ def default_out(command: str, model: str) -> Path:
     return Path("results") / command / folder_name(model)
 
 
+def generated_only(dataset: str | None, **given: bool) -> None:
+    """Refuse, before any work, options that shape generated cases (``given``: option name -> whether
+    it was given a value other than its default) when ``--dataset`` is a JSONL file, which has its own."""
+    from kvprobe.errors import UsageError
+
+    if dataset in (None, "default"):
+        return
+    named = ["--" + name.replace("_", "-") for name, used in given.items() if used]
+    if named:
+        listed = " and ".join([", ".join(named[:-1]), named[-1]] if len(named) > 1 else named)
+        raise UsageError(f"{listed} {'shape' if len(named) > 1 else 'shapes'} generated cases; a JSONL dataset has "
+                         f"its own (drop {'them' if len(named) > 1 else 'it'}, or use --dataset default)")
+
+
 def parse_csv(value: str) -> list[str]:
     """``"stale, oracle,"`` -> ``["stale", "oracle"]``: a comma-separated option's items, stripped."""
     return [v.strip() for v in value.split(",") if v.strip()]

@@ -61,6 +61,7 @@ def run(ctx: typer.Context,
     except ValidationError as exc:
         raise UsageError.from_validation(exc, "run") from None
     opt.check_placement(cfg.dtype, cfg.device, cfg.device_map)  # a config file's values too, before any work
+    opt.generated_only(cfg.dataset, few_shot=cfg.few_shot != 0)
     out = usable_out(out or Path("results") / opt.folder_name(cfg.model))
     run_folder(cfg, out).check()  # fail before loading; claimed once all is valid
     cases = load_cases(cfg)

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from kvprobe.cli import options as opt
-from kvprobe.cli.common import console, err_console, load_with_status, progress_bar, say
+from kvprobe.cli.common import console, err_console, load_with_status, progress_bar, say, usable_out
 from kvprobe.errors import UsageError
 
 toy_app = typer.Typer(help="Toy field-edit models: a small model of each family that decides by the field, "
@@ -59,16 +59,23 @@ def train(family: str = typer.Option(..., help=FAMILY_HELP),
     import dataclasses
 
     from kvprobe.models import toy_folder
+    from kvprobe.paths import writable
     from kvprobe.toys import train as toy_train
 
     family = toy_folder.toy_family(family)
-    folder = out or toy_folder.toy_dir(family)
+    folder = usable_out(out) if out is not None else toy_folder.toy_dir(family)
     manifest = toy_folder.read_manifest(folder)
     if manifest is not None and not force:
+        ignored = [name for name, value in (("--seed", seed), ("--steps", steps)) if value is not None]
+        if ignored:
+            given = " and ".join(ignored)
+            raise UsageError(f"{folder} already holds toy-{manifest['family']}, so {given} would be ignored; add "
+                             f"--force to retrain it with {given}, or give another --out")
         console.print(f"{folder} already holds toy-{manifest['family']} (seed {manifest['seed']}, "
                       f"{manifest['train']['steps']} steps); --force retrains it")
         console.print(metrics_table(f"{folder}: held-out", manifest["heldout"]))
         return
+    writable(folder)  # a home (or --out) that cannot be written: one line now, not after minutes of training
     recipe = toy_train.toy_recipe(family)
     if steps is not None:
         recipe = dataclasses.replace(recipe, steps=steps)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvprobe.errors import EnvironmentProblem, KvprobeError, UsageError
-from kvprobe.paths import downloads_dir, models_dir
+from kvprobe.paths import downloads_dir, make_dir, models_dir, writable
 
 READY_MARKER = "kvprobe_bundled.json"
 
@@ -194,8 +194,8 @@ def fetch(alias: str, progress: Callable[[str], None] = lambda s: None) -> Path:
     b = BUNDLED[alias]
     if is_cached(alias):
         return b.folder
-    b.folder.parent.mkdir(parents=True, exist_ok=True)
-    downloads_dir().mkdir(parents=True, exist_ok=True)
+    writable(make_dir(b.folder.parent))  # one line (exit 4) before any download, not a traceback after it
+    writable(make_dir(downloads_dir()))
     with open(downloads_dir() / f"{alias.removesuffix('-mistral')}.lock", "a") as lock:  # one GGUF, one lock
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
         if is_cached(alias):  # another process fetched it while this one waited

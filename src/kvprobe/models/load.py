@@ -350,6 +350,10 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu", progress=
     every path computes identically) or "sdpa" (faster on long contexts, used by benchmarks).
     A toy folder whose manifest records a held-out failure is refused unless ``allow_failed_toy``.
     """
+    if not isinstance(spec, str) or not spec.strip():
+        what = "empty" if isinstance(spec, str) else f"a {type(spec).__name__}, not text"
+        raise UsageError(f"the model spec is {what}; give a bundled alias, tiny-<family>, toy-<family>, a .gguf "
+                         f"path, a local Hugging Face folder or a toy folder (`kvprobe models` lists them)")
     if attn not in ("eager", "sdpa"):
         raise UsageError(f"unknown attention implementation {attn!r}; accepted: eager, sdpa")
     if dtype not in DTYPES:

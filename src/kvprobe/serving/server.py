@@ -27,7 +27,7 @@ from pathlib import Path
 
 from kvprobe.errors import EnvironmentProblem, UsageError
 from kvprobe.hardware import native_bf16
-from kvprobe.paths import home
+from kvprobe.paths import home, make_dir
 from kvprobe.serving import env
 
 STATE_FILE = "server.json"
@@ -54,9 +54,7 @@ class ServerState:
 
 
 def serve_dir() -> Path:
-    d = home() / "serve"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+    return make_dir(home() / "serve")
 
 
 def state_path() -> Path:

@@ -35,6 +35,7 @@ from kvprobe.defaults import (
 )
 from kvprobe.editor.strategies import check_policies, parse_strategy
 from kvprobe.errors import CheckFailed
+from kvprobe.config import check_cases
 from kvprobe.results import SWEEP, SWEEP_CLAIM, SWEEP_MANIFEST, SWEEP_SUMMARY, ResultsFolder, atomic_write_parquet
 from kvprobe.sweep.measure import measure_case
 from kvprobe.sweep.summary import (
@@ -90,6 +91,16 @@ class SweepConfig(BaseModel):
             raise ValueError(f"filler_tokens must be a non-empty list of lengths in [0, {MAX_FILLER_TOKENS}], got {v}")
         return sorted(set(v))
 
+    @field_validator("controls")
+    @classmethod
+    def _controls(cls, v: float, info) -> float:
+        n = info.data.get("n")  # validated before controls
+        if n is not None and round(n * v) >= n:
+            raise ValueError(f"{v:g} makes every one of the {n} cases of a cell a negative control "
+                             f"(round({n} x {v:g}) = {round(n * v)}); a sweep measures decision cases: give a smaller "
+                             f"fraction")
+        return v
+
     @field_validator("form")
     @classmethod
     def _form(cls, v: str) -> str:
@@ -137,8 +148,7 @@ def run_sweep(cfg: SweepConfig, lm, out: Path | str, progress: Callable[[str, in
         for case in cell_cases(cfg, cell):
             a = align(case, lm.tokenizer, cfg.form)
             (skipped if isinstance(a, Skip) else aligned).append(a)
-        for a in aligned:
-            lm.check_length(max(len(a.ids_old), len(a.ids_new)), f"case {a.case.case_id}")
+        check_cases(lm, aligned, strategies, [], cfg.form)  # run's checks: the window, each strategy against each case
         prepared.append((cell, aligned, skipped))
     if not any(aligned for _, aligned, _ in prepared):
         reasons = pd.Series([s.reason for _, _, skipped in prepared for s in skipped]).value_counts()
