@@ -333,7 +333,14 @@ def diagnose_case(lm, case: EditCase, new_values: list[str], strategies: list[st
     for value in new_values:
         if value == case.old_value:
             raise UsageError(f"the new value {value!r} of field '{case.field}' equals the old one; nothing to edit")
-        edits.append((value, aligned_edit(lm, case.model_copy(update={"new_value": value}), form)))
+        a = aligned_edit(lm, case.model_copy(update={"new_value": value}), form)
+        if a.ids_old == a.ids_new:
+            unk = getattr(lm.tokenizer, "unk_token", None)
+            raise KvprobeError(f"the edit of {case.field!r} from {case.old_value!r} to {value!r} changes no token "
+                               f"id under {lm.info.spec}'s tokenizer (the two values tokenise alike"
+                               + (f", e.g. both to {unk}" if unk else "") + "): there is nothing the model can "
+                               f"see to repair; give values its tokenizer tells apart")
+        edits.append((value, a))
     check_policies(parsed, lm)
     on_step = start(len(edits) * len(parsed))
     old_cache, rows = None, []
@@ -372,6 +379,12 @@ def recommendation(rows: pd.DataFrame) -> list[str]:
         ok = g[g.agrees.eq(True) & ~g.strategy.isin(["oracle", "stale"])]
         auto = g[g.strategy.str.startswith("auto")]
         head = f"{value}: "
+        stale = g[g.strategy.eq("stale")]
+        if len(stale) and stale.iloc[0].decision == stale.iloc[0].oracle_decision:
+            lines.append(head + f"no repair is needed for the decision: the stale cache already gives the oracle's "
+                                f"{stale.iloc[0].oracle_decision!r} (this edit does not change it); field_only keeps "
+                                f"the cached text current at the least cost, so no strategy is ranked")
+            continue
         if len(auto) and isinstance(auto.iloc[0].chose, str):
             r = auto.iloc[0]
             head += (f"auto chose {r.chose} ({'agrees' if r.agrees else 'DISAGREES'} with the oracle, "

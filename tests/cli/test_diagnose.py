@@ -60,7 +60,8 @@ def test_a_text_prompt_with_placeholders_prints_the_table(prompt_file, case):
     assert proc.returncode == 0, proc.stderr
     for needle in ("field_only", "erratum_turn", "auto", "oracle", "cheapest agreeing in hindsight"):
         assert needle in proc.stdout
-    assert proc.stdout.count("auto chose") == 2  # one recommendation per new value
+    # one recommendation per new value: a ranking where the edit changes the decision, else "no repair is needed"
+    assert proc.stdout.count("auto chose") + proc.stdout.count("no repair is needed for the decision") == 2
 
 
 @pytest.mark.parametrize(("args", "needles"), [
@@ -90,3 +91,28 @@ def test_a_policy_of_another_model_is_refused(tmp_path, prompt_file, case):
                    "--policy", str(policy))
     one_line_error(proc, "topk.yaml is for model toy-llama", "not this model")
     assert proc.returncode == 3
+
+
+LOAN = ("diagnose", "examples/loan.txt", "--field", "tier", "--value", "tier=gold", "--new", "silver",
+        "--question", "Should the loan be issued?", "--options", "yes,no")
+
+
+def test_an_edit_the_tokenizer_cannot_see_is_refused():
+    """toy-qwen2's tokenizer knows neither silver nor platinum (both [UNK]): the edit changes no token
+    id, so diagnose refuses it in one line instead of ranking strategies that all trivially agree."""
+    args = [{"tier=gold": "tier=silver", "silver": "platinum"}.get(a, a) for a in LOAN]
+    proc = kvprobe(*args, "--model", "toy-qwen2")
+    assert proc.returncode == 3, proc.stderr
+    one_line_error(proc, "changes no token id", "[UNK]")
+
+
+def test_an_edit_that_does_not_change_the_decision_is_flagged_not_ranked():
+    """On smollm2-135m gold -> silver leaves the oracle's decision where the stale cache has it: the
+    recommendation says no repair is needed for the decision, and names no cheapest repair."""
+    proc = kvprobe(*LOAN, "--model", "smollm2-135m", "--strategies", "field_only,erratum_turn", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    rows = {r["strategy"]: r for r in out["rows"]}
+    assert rows["stale"]["decision"] == rows["oracle"]["decision"]
+    assert out["recommendation"][0].startswith("silver: no repair is needed for the decision")
+    assert "cheapest" not in out["recommendation"][0]

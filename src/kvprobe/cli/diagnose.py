@@ -94,7 +94,7 @@ def diagnose(prompt: Prompt, model: opt.Model = opt.DEFAULTS["model"],
              options: str = typer.Option("", help="comma-separated answer options, two (default: the top token)"),
              system: str = typer.Option(None, help="a system message for a text prompt"),
              strategies: str = typer.Option(",".join(DIAGNOSE_STRATEGIES), help="comma-separated strategy specs "
-                                            "(`kvprobe strategies`); auto and oracle are always added"),
+                                            "(`kvprobe strategies`); stale, auto and oracle are always added"),
              policy: Path = typer.Option(None, help="a topk.yaml of this model (from `kvprobe export-topk`): auto "
                                                     "and selective:K:causal use it"),
              form: opt.Form = opt.DEFAULTS["form"],
@@ -125,7 +125,7 @@ def diagnose(prompt: Prompt, model: opt.Model = opt.DEFAULTS["model"],
     if field is not None and field != case.field:
         raise UsageError(f"--field {field!r} is not the field of this case ({case.field!r})")
     specs = opt.parse_csv(strategies)
-    specs += [s for s in ("auto", "oracle") if not any(x.split(":")[0] == s for x in specs)]
+    specs += [s for s in ("stale", "auto", "oracle") if not any(x.split(":")[0] == s for x in specs)]
     from kvprobe.api import diagnose_case, recommendation
     from kvprobe.editor.strategies import parse_strategy
 
