@@ -160,7 +160,7 @@ class EditableContext:
     def __init__(self, model, *, system: str | None = None, form: str = "auto", policy=None):
         self.lm = load(model)
         self.system, self.form = system, resolve_form(self.lm.tokenizer, form)
-        self.policy = field_policy.load_any(policy, self.lm) if isinstance(policy, (str, Path)) else policy
+        self.policy = field_policy.load_any(policy, self.lm, parse_strategy) if isinstance(policy, (str, Path)) else policy
         self._pieces: list[tuple[str, str]] = []  # ("text", text) or ("field", name)
         self.fields: dict[str, str] = {}
         self.question: str | None = None

@@ -48,8 +48,9 @@ class FieldPolicy:
         return f["repair"], f"policy {self.path}: {name}: {f['verdict']}: {f['reason']}"
 
 
-def _check(path: Path, data: dict) -> FieldPolicy:
-    from kvprobe.editor.strategies import parse_strategy
+def _check(path: Path, data: dict, parse) -> FieldPolicy:
+    """The file's values checked (``parse``: the strategy parser, handed in by the editor, which
+    this module sits below)."""
     from kvprobe.results import MODEL_KEYS
 
     def bad(where: str, what: str):
@@ -66,17 +67,16 @@ def _check(path: Path, data: dict) -> FieldPolicy:
     fields = data.get("fields")
     if not isinstance(fields, dict) or not fields:
         bad("fields", "must map each calibrated field to its repair")
-    for spec_key in ("default",):
-        try:
-            parse_strategy(str(data.get(spec_key)))
-        except KvprobeError as exc:
-            bad(spec_key, f"is not a strategy ({exc})")
+    try:
+        parse(str(data.get("default")))
+    except KvprobeError as exc:
+        bad("default", f"is not a strategy ({exc})")
     for name, f in fields.items():
         if not isinstance(f, dict) or not isinstance(f.get("repair"), str) or not isinstance(f.get("reason"), str):
             bad(f"fields.{name}", "must hold repair and reason")
         if f["repair"] != "none":
             try:
-                spec = parse_strategy(f["repair"]).spec
+                spec = parse(f["repair"]).spec
             except KvprobeError as exc:
                 bad(f"fields.{name}.repair", f"is not a strategy ({exc})")
             if spec.startswith("auto"):
@@ -86,9 +86,11 @@ def _check(path: Path, data: dict) -> FieldPolicy:
     return FieldPolicy(path, model, float(thr), str(data["default"]), dict(fields))
 
 
-def load_any(path, lm):
+def load_any(path, lm, parse):
     """A ``field_policy.yaml`` (:class:`FieldPolicy`) or a ``topk.yaml`` (:class:`kvprobe.policy.Policy`)
-    for the model ``lm`` (None: no model check); another model's file is refused in one line."""
+    for the model ``lm`` (None: no model check); another model's file is refused in one line.
+    ``parse`` is :func:`kvprobe.editor.strategies.parse_strategy` (every repair the file names is
+    checked with it)."""
     from kvprobe import policy as topk
 
     path = Path(path)
@@ -100,7 +102,7 @@ def load_any(path, lm):
             data = None  # topk.load says what is wrong with it
     if not (isinstance(data, dict) and "kvprobe_field_policy" in data):
         return topk.load(path, lm)
-    policy = _check(path, data)
+    policy = _check(path, data, parse)
     if lm is not None:
         from kvprobe.results import MODEL_KEYS
 

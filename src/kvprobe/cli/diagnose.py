@@ -136,7 +136,7 @@ def diagnose(prompt: Prompt, model: opt.Model = opt.DEFAULTS["model"],
     if policy is not None:
         from kvprobe.field_policy import load_any
 
-        loaded = load_any(policy, lm)
+        loaded = load_any(policy, lm, parse_strategy)
     with progress_bar() as bar:
         def start(total: int):
             task = bar.add_task(f"diagnosing {len(new_values)} value(s) x {len(specs)} strategies", total=total)

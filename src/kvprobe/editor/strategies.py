@@ -418,7 +418,7 @@ class Auto(Strategy):
             return fallback
         key = (self.policy, id(lm))
         if key not in _POLICIES:
-            _POLICIES[key] = field_policy.load_any(self.policy, lm)
+            _POLICIES[key] = field_policy.load_any(self.policy, lm, parse_strategy)
         return _POLICIES[key]
 
     def check(self, lm, a) -> None:
