@@ -208,13 +208,20 @@ class Calibration:
     fields: list[FieldResult]
 
 
-def calibrate(lm, spec: CalibrationSpec, *, candidates=DEFAULT_CANDIDATES, threshold: float = 0.95,
+def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CANDIDATES, threshold: float = 0.95,
               max_pairs: int = 200, seed: int = 0, form: str = "auto", parts=None,
               progress: Callable[[str, int, int], None] = lambda field, done, total: None) -> Calibration:
-    """Calibrate every field of ``spec`` on the model ``lm`` (see the module docstring).
+    """Calibrate every field of ``spec`` (or the spec file at that path) on the model ``lm`` (a
+    loaded model or a spec :func:`kvprobe.load` takes; see the module docstring).
     ``parts(name)`` gives a :class:`kvprobe.results.CaseStore` per field to keep finished pairs."""
     from kvprobe.editor.strategies import parse_strategy
 
+    if not isinstance(spec, CalibrationSpec):
+        spec = load_spec(spec)
+    if isinstance(lm, str):
+        from kvprobe.api import load
+
+        lm = load(lm)
     candidates = [parse_strategy(s).spec for s in candidates]
     bad = [s for s in candidates if s in ("stale", "oracle") or s.startswith("auto")]
     if bad or not candidates:
