@@ -181,3 +181,25 @@ def test_auto_falls_back_to_the_oracle_when_nothing_measured_qualifies(toy, case
     too_few = policy_of(("field_only", 1.0, 19, 0.01), ("erratum_turn", 0.9, 40, 0.2))  # 19 < MIN_CASES; 0.9 < 0.95
     fixed = context_of(toy, case, policy=too_few).edit(**{case.field: case.new_value})
     assert fixed.chose == "oracle" and "no measured strategy reaches 0.95" in fixed.reason
+
+
+def test_a_policy_path_is_loaded_and_a_bad_one_refused_in_one_line(toy, cases, tmp_path):
+    """EditableContext(policy=...) takes a pathlib.Path like a str; a file naming an unknown strategy, or a
+    policy that is neither, is one line."""
+    import yaml
+
+    case = next(c for c in cases if c.control)
+    cfg = {"schema_version": 3, "model": toy.fingerprint(), "threshold": 0.95, "erratum_template": None,
+           "k_star": None, "k_star_status": "no ranking", "reason": "a sweep measures no causal ranking",
+           "strategies": [{"spec": "field_only", "agreement": 1.0, "agreement_ci95": [0.91, 1.0], "n": 40,
+                           "control_invariance": None, "n_controls": 0, "frac_recomputed": 0.01, "wall_s": None}]}
+    path = tmp_path / "topk.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    fixed = context_of(toy, case, policy=path).edit(**{case.field: case.new_value})
+    assert fixed.chose == "field_only" and fixed.reason.startswith(f"policy {path}: field_only")
+    cfg["strategies"][0]["spec"] = "telepathy"
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(KvprobeError, match=f"^{path} is not a valid topk.yaml: strategies entry 1 names a strategy"):
+        kvprobe.EditableContext(toy, policy=path)
+    with pytest.raises(UsageError, match="policy must be the path of a topk.yaml .* not int"):
+        kvprobe.EditableContext(toy, policy=123)

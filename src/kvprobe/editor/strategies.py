@@ -418,7 +418,7 @@ class Auto(Strategy):
             return fallback
         key = (self.policy, id(lm))
         if key not in _POLICIES:
-            _POLICIES[key] = policies.load(self.policy, lm)
+            _POLICIES[key] = load_policy(self.policy, lm)
         return _POLICIES[key]
 
     def check(self, lm, a) -> None:
@@ -447,6 +447,24 @@ class Auto(Strategy):
         return dataclasses.replace(edited, recomputed=edited.recomputed + extra, chose=fallback.spec,
                                    note=f"field-only kept {stale!r} (the old conclusion is held downstream, or the edit "
                                         f"does not change it); {why}")
+
+
+def load_policy(path, lm) -> policies.Policy:
+    """:func:`kvprobe.policy.load` (types, ranges, schema version and model checked there), then
+    :func:`check_policy_specs`: what every policy kvprobe uses goes through."""
+    return check_policy_specs(policies.load(path, lm))
+
+
+def check_policy_specs(policy: policies.Policy) -> policies.Policy:
+    """Refuse, in one line naming the file, a policy whose ``strategies`` name a spec this kvprobe
+    cannot parse (:func:`parse_strategy`); returns ``policy``."""
+    for i, e in enumerate(policy.strategies):
+        try:
+            parse_strategy(e.spec)
+        except KvprobeError as exc:
+            raise KvprobeError(f"{policy.path} is not a valid topk.yaml: strategies entry {i + 1} names a strategy "
+                               f"this kvprobe does not know ({exc}); {policies.EXPORT} rewrites it") from None
+    return policy
 
 
 def check_policies(strategies: list[Strategy], lm) -> None:
