@@ -54,6 +54,7 @@ from kvprobe.results import (
     atomic_write_parquet,
     claim_folder,
     claim_inputs,
+    version_entry,
 )
 
 ALL_PROBES = tuple(STAGES)  # every registered probe, in registration order
@@ -490,7 +491,8 @@ def write_manifest(cfg: RunConfig, lm, sel: Selection, compose_summary: list[dic
     stage, and the run's cost in prefill-equivalents (:func:`run_profile`)."""
     validity = sel.validity
     manifest = {
-        "kvprobe_run": 1, "config": cfg.model_dump(), "model": lm.fingerprint(), "model_info": lm.info.as_dict(),
+        **version_entry(MANIFEST), "config": cfg.model_dump(), "model": lm.fingerprint(),
+        "model_info": lm.info.as_dict(),
         "n_layers": lm.adapter.n_layers, "n_heads": lm.adapter.n_heads, "n_kv_heads": lm.adapter.n_kv_heads,
         "versions": package_versions(), "seed": cfg.seed,
         "counts": {"cases": len(sel.cases), "aligned": len(sel.aligned), "probed_decision": len(sel.valid_ids),

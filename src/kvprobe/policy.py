@@ -229,7 +229,7 @@ class TopkFile(File):
     erratum_template: str | None
     k_sweep: list[KSweepEntry] | None = None
     k_star: Count | None
-    k_star_status: Literal["established", "not established", "not reached", "no ranking"] | None = None  # absent in schema 2
+    k_star_status: Literal["established", "not established", "not reached", "no ranking"] | None = None  # schema 3
     k_candidate: Count | None = None
     agreement: Share | None = None
     agreement_ci95: CI | None = None

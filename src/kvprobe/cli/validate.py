@@ -44,8 +44,8 @@ def validate(model: opt.Model = opt.DEFAULTS["model"], n: int = typer.Option(50,
     from kvprobe.composer.blocks import check_composable
     from kvprobe.composer.gate import run_compose, summarize_compose
     from kvprobe.datasets.skills import check_options
-    from kvprobe.results import (COMPOSE, VALIDATE_CLAIM, CaseStore, atomic_write_json, atomic_write_parquet,
-                                 check_claim, claim_folder, claim_inputs)
+    from kvprobe.results import (COMPOSE, COMPOSE_MANIFEST, VALIDATE_CLAIM, CaseStore, atomic_write_json,
+                                 atomic_write_parquet, check_claim, claim_folder, claim_inputs, version_entry)
 
     seam_list = sorted(set(opt.parse_ints(seams, "--seams")) | {seam})
     bt, nb = opt.parse_ints(block_tokens, "--block-tokens", count=2), opt.parse_ints(blocks, "--blocks", count=2)
@@ -73,10 +73,11 @@ def validate(model: opt.Model = opt.DEFAULTS["model"], n: int = typer.Option(50,
                          on_precompile=lambda i, total: bar.update(pre, completed=i, total=total))
     path = atomic_write_parquet(df, out / COMPOSE)
     summary = summarize_compose(df)
-    atomic_write_json({"command": "validate", "model": lm.fingerprint(), "n": n, "seed": seed, "seams": seam_list,
-                       "gated_seam": seam, "threshold": threshold, "block_tokens": bt, "n_blocks": nb,
-                       "form": form, "attn": attn, "wall_s": time.perf_counter() - start,
-                       "summary": summary.to_dict("records")}, out / "compose_manifest.json")
+    atomic_write_json({**version_entry(COMPOSE_MANIFEST), "command": "validate", "model": lm.fingerprint(),
+                       "n": n, "seed": seed, "seams": seam_list, "gated_seam": seam, "threshold": threshold,
+                       "block_tokens": bt, "n_blocks": nb, "form": form, "attn": attn,
+                       "wall_s": time.perf_counter() - start,
+                       "summary": summary.to_dict("records")}, out / COMPOSE_MANIFEST)
     table = Table(title=f"composed vs full recompute: {model} ({df.query_id.nunique()} queries, "
                         f"{int(df.context_tokens.median())} median context tokens)")
     for col in ("re-rotate", "seam s", "n", "agreement [95% CI]", "top-1", "cosine [95% CI]", "KL", "ms"):

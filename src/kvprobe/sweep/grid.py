@@ -46,6 +46,7 @@ from kvprobe.results import (
     atomic_write_parquet,
     claim_folder,
     claim_inputs,
+    version_entry,
 )
 from kvprobe.sweep.measure import measure_case
 from kvprobe.sweep.summary import (
@@ -195,7 +196,8 @@ def run_sweep(cfg: SweepConfig, lm, out: Path | str, progress: Callable[[str, in
     atomic_write_parquet(summary, out / SWEEP_SUMMARY)
     verdicts = cell_verdicts(summary)
     manifest = {
-        "kvprobe_sweep": 1, "config": cfg.model_dump(), "model": lm.fingerprint(), "model_info": lm.info.as_dict(),
+        **version_entry(SWEEP_MANIFEST), "config": cfg.model_dump(), "model": lm.fingerprint(),
+        "model_info": lm.info.as_dict(),
         "versions": package_versions(),
         "cells": record, "cell_verdicts": dict(zip(verdicts.cell, verdicts.verdict)),
         "layout_verdicts": layout_verdicts(verdicts), "verdict_rule": RULE,
