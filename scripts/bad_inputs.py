@@ -12,7 +12,8 @@ mode and file content, taken before and after. Prints one line per input as it g
 any row fails (wrong exit code, not one line, a traceback, a changed disk, or a message without
 the text it must quote), listing those rows.
 
-``--only TEXT`` runs only the inputs whose command holds TEXT (and does not write the doc);
+``--only TEXT`` runs only the inputs whose command (as shown, environment variables first) holds TEXT
+(and does not write the doc);
 ``--keep`` keeps the scratch folder.
 """
 
@@ -44,7 +45,7 @@ class Bad:
     """One bad input: the kvprobe arguments (paths relative to the scratch folder), what is wrong,
     the exit code it must give, text its message must quote literally, a path it may write
     (only for a command that legitimately runs before its check fails), and environment variables
-    set for it on top of the scratch folder's (a bad ``KVPROBE_HOME``)."""
+    to set for it (values relative to the scratch folder too)."""
 
     args: list[str]
     what: str
@@ -242,6 +243,7 @@ def prepare(s: Path, say) -> None:
     (s / "broken.yaml").write_text("schema_version: [\n")
     (s / "old-topk.yaml").write_text("schema_version: 1\nmodel: {}\nk_star: null\n")
     _prepare_options(s)
+    _prepare_schemas(s)
 
 
 def _prepare_options(s: Path) -> None:
@@ -252,6 +254,71 @@ def _prepare_options(s: Path) -> None:
     (s / "prompt-folder").mkdir()
     shutil.copytree(shipped_dir("qwen2"), s / "toy-held")  # a folder that already holds a toy
     os.mkfifo(s / "a-fifo")  # an --out that is not a regular file (a rename over it would replace it)
+
+
+def _copy_results(src: Path, dst: Path) -> Path:
+    """A results folder's files (no parts, no report) copied to ``dst``."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.is_file() and f.name != "report.html":
+            shutil.copy2(f, dst / f.name)
+    return dst
+
+
+def _prepare_schemas(s: Path) -> None:
+    """The file-schema fixtures (issue 28), all named sch-*: hand-edited topk.yaml files, manifests of a
+    newer kvprobe, broken family files, results tables with a column missing or of the wrong kind."""
+    from importlib import resources
+
+    import pandas as pd
+    import yaml
+
+    good = (s / "run" / "topk.yaml").read_text()
+    edits = {"threshold-neg": ("threshold", -1), "threshold-nan": ("threshold", float("nan")),
+             "agreement-5": ("strategies", 0, "agreement", 5.0), "n-neg": ("strategies", 0, "n", -7),
+             "k-star-eight": ("k_star", "eight"), "rule-string": ("ranking_rule", "causal"),
+             "training-ten": ("ranking_rule", "n_training_cases", "ten"),
+             "telepathy": ("strategies", 0, "spec", "telepathy"), "newer": ("schema_version", 4)}
+    for name, (*keys, value) in edits.items():
+        cfg = yaml.safe_load(good)
+        target = cfg
+        for key in keys[:-1]:
+            target = target[key]
+        target[keys[-1]] = value
+        (s / f"sch-topk-{name}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    # manifests of a newer kvprobe
+    sweep = _copy_results(s / "sweep", s / "sch-sweep-newer")
+    manifest = json.loads((sweep / "sweep_manifest.json").read_text())
+    (sweep / "sweep_manifest.json").write_text(json.dumps({**manifest, "kvprobe_sweep": 99}))
+    run = _copy_results(s / "run", s / "sch-run-newer")
+    manifest = json.loads((run / "manifest.json").read_text())
+    (run / "manifest.json").write_text(json.dumps({**manifest, "kvprobe_run": 2}))
+    for name, key in (("compose_manifest.json", "kvprobe_validate"), ("serving_manifest.json", "kvprobe_serve_bench")):
+        folder = s / f"sch-{name.split('_')[0]}-newer"
+        folder.mkdir()
+        (folder / name).write_text(json.dumps({key: 2, "model": {"spec": "toy-qwen2"}}))
+    run = _copy_results(s / "run", s / "sch-topk-newer-folder")
+    (run / "topk.yaml").write_text(good.replace("schema_version: 3", "schema_version: 9", 1))
+    # family files, one folder each for KVPROBE_FAMILY_PATH (llama: the built-in file, copied as it is)
+    llama = (resources.files("kvprobe.models") / "families" / "llama.yaml").read_bytes()
+    for name, content in (("utf8", b"family: mine\n\xff\xfe\n"), ("folder", None), ("empty", b""),
+                          ("list", b"- family\n- mine\n"), ("llama", llama)):
+        folder = s / f"sch-fam-{name}"
+        folder.mkdir()
+        if content is None:
+            (folder / "x.yaml").mkdir()
+        else:
+            (folder / ("llama.yaml" if name == "llama" else "x.yaml")).write_bytes(content)
+    # results tables: a required column missing, a column of the wrong kind
+    for name, table, change in (("no-agree", "edits.parquet", lambda df: df.drop(columns=["agree"])),
+                                ("valid-text", "validity.parquet", lambda df: df.assign(valid="x")),
+                                ("k-text", "edits.parquet", lambda df: df.assign(k="x"))):
+        folder = _copy_results(s / "run", s / f"sch-res-{name}")
+        change(pd.read_parquet(folder / table)).to_parquet(folder / table, index=False)
+    for name, table, change in (("summary-text", "sweep_summary.parquet", lambda df: df.assign(n_cases="x")),
+                                ("agree-text", "sweep.parquet", lambda df: df.assign(agree="x"))):
+        folder = _copy_results(s / "sweep", s / f"sch-sweep-{name}")
+        change(pd.read_parquet(folder / table)).to_parquet(folder / table, index=False)
 
 
 def unwritable_out(s: Path) -> tuple[str, str]:
@@ -329,6 +396,57 @@ def inputs(s: Path) -> list[Bad]:
         Bad(["run", "--config", "cfg-bad-strategy.yaml", "--out", "r-cfg"], "unknown strategy in config", 3,
             quote="telepathy"),
         Bad(["run", "--config", "cfg-folder", "--out", "r-cfg"], "--config a folder", 3),
+        # file schemas (issue 28)
+        *(Bad([*DIAG, "--field", "tier", "--value", "tier=gold", "--new", "silver", "--policy",
+               f"sch-topk-{name}.yaml"], f"diagnose --policy: topk.yaml with {what}", 3, quote=quote)
+          for name, what, quote in (
+              ("threshold-neg", "threshold -1 (auto chose cacheblend:0.15, agreement 0.00)", "threshold is -1"),
+              ("threshold-nan", "threshold .nan", "threshold is nan"),
+              ("n-neg", "a strategy's n -7", "n is -7"),
+              ("k-star-eight", 'k_star "eight"', "k_star is 'eight'"),
+              ("rule-string", "ranking_rule a string", "ranking_rule is 'causal'"),
+              ("training-ten", 'ranking_rule.n_training_cases "ten"', "n_training_cases is 'ten'"),
+              ("telepathy", "an unknown strategy spec 'telepathy'", "sch-topk-telepathy.yaml"),
+              ("newer", "schema_version 4 (a newer kvprobe's)", "written by a newer kvprobe"))),
+        Bad([*DIAG, "--field", "tier", "--value", "tier=gold", "--new", "silver", "--strategies",
+             "auto:sch-topk-agreement-5.yaml"], "diagnose auto:PATH: topk.yaml with an agreement of 5.0", 3,
+            quote="agreement is 5.0"),
+        Bad(["report", "sch-sweep-newer"], "report: a sweep folder whose manifest says kvprobe_sweep 99", 3,
+            quote="written by a newer kvprobe"),
+        Bad(["report", "sch-run-newer", "--out", "sch.html"], "report: a run manifest with kvprobe_run 2", 3,
+            quote="written by a newer kvprobe"),
+        Bad(["compare", "sch-run-newer"], "compare: a run manifest with kvprobe_run 2", 3,
+            quote="written by a newer kvprobe"),
+        Bad(["export-topk", "sch-run-newer", "--out", "sch.yaml"], "export-topk: a run manifest with kvprobe_run 2",
+            3, quote="written by a newer kvprobe"),
+        Bad(["report", "sch-compose-newer", "--out", "sch.html"], "report: compose_manifest.json of a newer kvprobe",
+            3, quote="written by a newer kvprobe"),
+        Bad(["report", "sch-serving-newer", "--out", "sch.html"], "report: serving_manifest.json of a newer kvprobe",
+            3, quote="written by a newer kvprobe"),
+        Bad(["report", "sch-topk-newer-folder", "--out", "sch.html"], "report: a topk.yaml with schema_version 9",
+            3, quote="written by a newer kvprobe"),
+        *(Bad(["models"], f"KVPROBE_FAMILY_PATH: {what}", 3, quote=quote,
+              env={"KVPROBE_FAMILY_PATH": f"sch-fam-{name}"})
+          for name, what, quote in (("utf8", "a family file that is not UTF-8", "not UTF-8"),
+                                    ("folder", "a folder named x.yaml", "not a regular file"),
+                                    ("empty", "an empty family file", "it is empty"),
+                                    ("list", "a family file that is a list", "not a mapping"),
+                                    ("llama", "a user file naming the built-in family llama",
+                                     "names the built-in family 'llama'"))),
+        Bad(["report", "sch-res-no-agree", "--out", "sch.html"], "report: edits.parquet without its agree column",
+            3, quote="no column agree"),
+        Bad(["compare", "sch-res-no-agree"], "compare: edits.parquet without its agree column", 3,
+            quote="no column agree"),
+        Bad(["report", "sch-res-valid-text", "--out", "sch.html"], "report: validity.parquet's valid column is text",
+            3, quote="column valid holds 'x'"),
+        Bad(["compare", "sch-res-valid-text"], "compare: validity.parquet's valid column is text", 3,
+            quote="column valid holds 'x'"),
+        Bad(["export-topk", "sch-res-k-text", "--out", "sch.yaml"], "export-topk: edits.parquet's k column is text",
+            3, quote="column k holds 'x'"),
+        Bad(["report", "sch-sweep-summary-text"], "report: sweep_summary.parquet's n_cases column is text", 3,
+            quote="column n_cases holds 'x'"),
+        Bad(["export-topk", "sch-sweep-agree-text", "--out", "sch.yaml"],
+            "export-topk: sweep.parquet's agree column is text", 3, quote="column agree holds 'x'"),
         # results folders read
         Bad(["report", "res-bad-edits", "--out", "r1.html"], "report: corrupt edits.parquet", 3,
             quote="edits.parquet"),
@@ -568,7 +686,7 @@ def main() -> int:
     try:
         start = time.monotonic()
         prepare(scratch, say)
-        todo = [b for b in inputs(scratch) if not opts.only or opts.only in " ".join(b.args)]
+        todo = [b for b in inputs(scratch) if not opts.only or opts.only in shown(b, scratch)]
         say(f"scratch folder {scratch} ready in {time.monotonic() - start:.0f} s; {len(todo)} inputs")
         rows = []
         for i, bad in enumerate(todo, 1):

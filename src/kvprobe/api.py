@@ -17,19 +17,21 @@ re-prefill) is one more strategy, for checking, never needed.
 
 from __future__ import annotations
 
+import os
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
 
 import pandas as pd
 import torch
 
 from kvprobe import field_policy
+from kvprobe import policy as policies
 from kvprobe.datasets import AlignedCase, EditCase, Skip, align, render_prompt
 from kvprobe.datasets.render import resolve_form
 from kvprobe.datasets.spans import option_ids, prompt_ids
 from kvprobe.editor.context import EditContext, make_context
-from kvprobe.editor.strategies import Strategy, apply, check_policies, decision_of, parse_strategy
+from kvprobe.editor.strategies import (Strategy, apply, check_policies, check_policy_specs, decision_of,
+                                       load_policy, parse_strategy)
 from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.kv import cache as kvcache
 from kvprobe.kv.decode import Edited, _eos_ids, decide
@@ -160,7 +162,7 @@ class EditableContext:
     def __init__(self, model, *, system: str | None = None, form: str = "auto", policy=None):
         self.lm = load(model)
         self.system, self.form = system, resolve_form(self.lm.tokenizer, form)
-        self.policy = field_policy.load_any(policy, self.lm, parse_strategy) if isinstance(policy, (str, Path)) else policy
+        self.policy = _policy(policy, self.lm)
         self._pieces: list[tuple[str, str]] = []  # ("text", text) or ("field", name)
         self.fields: dict[str, str] = {}
         self.question: str | None = None
@@ -278,6 +280,22 @@ class EditableContext:
         if a.ids_old != self._ids:
             raise KvprobeError("the context's tokens changed since it was prefilled; build a new EditableContext")
         return a
+
+
+def _policy(policy, lm) -> policies.Policy | field_policy.FieldPolicy | None:
+    """``EditableContext(policy=...)``: the path (str or os.PathLike) of a topk.yaml or a
+    field_policy.yaml is loaded for ``lm``, a loaded :class:`~kvprobe.policy.Policy` has its strategy
+    specs checked, a loaded :class:`~kvprobe.field_policy.FieldPolicy` is taken; anything else is refused."""
+    if policy is None:
+        return None
+    if isinstance(policy, (str, os.PathLike)):
+        return load_policy(policy, lm)
+    if isinstance(policy, policies.Policy):
+        return check_policy_specs(policy)
+    if isinstance(policy, field_policy.FieldPolicy):
+        return policy
+    raise UsageError(f"policy must be the path of a topk.yaml or field_policy.yaml (str or pathlib.Path), or a "
+                     f"kvprobe.policy.Policy, not {type(policy).__name__}")
 
 
 def learned_ranking(policy):

@@ -47,6 +47,7 @@ from kvprobe.results import (
     ResultsFolder,
     atomic_write_json,
     atomic_write_parquet,
+    version_entry,
 )
 
 
@@ -311,8 +312,8 @@ def write_manifest(cfg: RunConfig, lm, sel: Selection, compose_summary: list[dic
               "ranking_cases": len(sel.rank_ids), "held_out_cases": len(sel.held_ids),
               "skipped": len(sel.skipped), "invalid": int((~validity.valid).sum())}
     manifest = folder.manifest(
-        lm, kvprobe_run=1, config=cfg.model_dump(), n_layers=lm.adapter.n_layers, n_heads=lm.adapter.n_heads,
-        n_kv_heads=lm.adapter.n_kv_heads, seed=cfg.seed, counts=counts,
+        lm, **version_entry(MANIFEST), config=cfg.model_dump(), n_layers=lm.adapter.n_layers,
+        n_heads=lm.adapter.n_heads, n_kv_heads=lm.adapter.n_kv_heads, seed=cfg.seed, counts=counts,
         skipped=[{"case_id": s.case_id, "reason": s.reason} for s in sel.skipped],
         invalid_reasons=_invalid_reasons(validity), validity=summarize(validity) if len(validity) else {},
         compose=compose_summary, tables=sorted(p.name for p in folder.path.glob("*.parquet")),

@@ -20,11 +20,14 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import yaml
+from pydantic import model_validator
 
 from kvprobe.errors import KvprobeError
+from kvprobe.schema import (CI, Count, File, Finite, Number, Seconds, Share, ShareOrNaN, Text, check_version,
+                            validate)
 
 if TYPE_CHECKING:
     from kvprobe.datasets import AlignedCase
@@ -161,12 +164,96 @@ class Policy:
         return min(qualified, key=lambda e: (e.frac_recomputed, -e.agreement), default=None)
 
 
+# -- the file's schema: every key and what it accepts (kvprobe.schema's types) -------------------
+class ModelEntry(File):
+    """``model``: the fingerprint the file was exported for (:meth:`LoadedModel.fingerprint`)."""
+
+    spec: str | None = None
+    family: str | None = None
+    config_hash: Text
+    weights_hash: Text
+    tokenizer_hash: Text
+
+
+class RuleEntry(File):
+    """``ranking_rule``: :meth:`RankingRule.as_dict`, plus a ``note`` where no rule was learned."""
+
+    kind: str | None = None
+    key: str | None = None
+    n_training_cases: Count
+    scores: dict[str, Finite]
+    note: str | None = None
+
+
+class KSweepEntry(File):
+    """One ``k_sweep`` row. An interval end or a recovery is null or NaN where it was not measured
+    (a bootstrap of fewer than two cases)."""
+
+    k: Count
+    agreement: Share
+    agreement_lo: ShareOrNaN | None = None
+    agreement_hi: ShareOrNaN | None = None
+    n: Count
+    recovery: Number | None = None
+    recovery_lo: Number | None = None
+    recovery_hi: Number | None = None
+    frac_recomputed: Share | None = None
+
+
+class EvidenceEntry(File):
+    """One ``strategies`` entry (:class:`Evidence`); every key but ``decide_s`` and ``n_errors`` is
+    required, null where not measured."""
+
+    spec: Text
+    agreement: Share | None
+    agreement_ci95: CI | None
+    n: Count
+    control_invariance: Share | None
+    n_controls: Count
+    frac_recomputed: Share | None
+    wall_s: Seconds | None
+    decide_s: Seconds | None = None
+    n_errors: Count = 0
+
+
+class TopkFile(File):
+    """A ``topk.yaml`` (schema 2 or 3; :mod:`kvprobe.editor.topk` writes it): every key it may hold."""
+
+    schema_version: Literal[2, 3]
+    model: ModelEntry
+    threshold: Share
+    judged_on: str | None = None
+    ranking_rule: RuleEntry | None = None
+    recompute: dict[str, str] | None = None
+    token_kinds_at_top: dict[str, Share] | None = None
+    erratum_template: str | None
+    k_sweep: list[KSweepEntry] | None = None
+    k_star: Count | None
+    k_star_status: Literal["established", "not established", "not reached", "no ranking"] | None = None  # schema 3
+    k_candidate: Count | None = None
+    agreement: Share | None = None
+    agreement_ci95: CI | None = None
+    n_cases: Count | None = None
+    reason: str | None = None
+    strategies: list[EvidenceEntry]
+
+    @model_validator(mode="after")
+    def _k_star_matches_its_status(self):
+        if self.k_star_status is not None and (self.k_star is not None) != (self.k_star_status == "established"):
+            raise ValueError(f"k_star {self.k_star!r} with k_star_status {self.k_star_status!r} (a K* is "
+                             f"a whole number exactly when its status is 'established')")
+        return self
+
+
 def load(path: Path | str, lm) -> Policy:
     """Read a ``topk.yaml`` for the model ``lm`` (a LoadedModel).
 
     Refused, in one line (:class:`~kvprobe.errors.KvprobeError`): a missing file, a file that is
     not YAML, one that is not a topk.yaml of this schema version (``kvprobe export-topk`` rewrites
-    it), and one exported for another model. The model is compared by its config, weights and
+    it; a newer version was written by a newer kvprobe), one whose values do not fit
+    :class:`TopkFile` (a threshold or agreement outside [0, 1] or NaN, a negative or fractional
+    count, a ``k_star`` that is not a whole number, a ``ranking_rule`` that is not a mapping, ...),
+    and one exported for another model. The model is compared by its config, weights and
     tokenizer hashes (``lm.fingerprint()``), not by its spec, so a model loaded from another path
     matches its own file. ``lm=None`` skips that check (for reading a file without its model).
     """
@@ -184,22 +271,19 @@ def load(path: Path | str, lm) -> Policy:
                            f"{EXPORT} rewrites it") from None
     if not isinstance(data, dict) or "schema_version" not in data:
         raise KvprobeError(f"{path} is not a topk.yaml (no schema_version); {EXPORT} writes one")
-    if data["schema_version"] not in READS:
-        raise KvprobeError(f"{path} has schema_version {data['schema_version']!r}, this kvprobe reads "
-                           f"{' or '.join(map(str, READS))}; {EXPORT} rewrites it")
+    check_version(path, data["schema_version"], "schema_version", READS, f"{EXPORT} rewrites it")
     missing = [k for k in KEYS if k not in data]
     model = data.get("model")
     if not missing and not (isinstance(model, dict) and all(isinstance(model.get(h), str) for h in HASHES)):
         missing = [f"model.{h}" for h in HASHES if not isinstance(model, dict) or not isinstance(model.get(h), str)]
     if missing:
         raise KvprobeError(f"{path} is not a topk.yaml (no {', '.join(missing)}); {EXPORT} rewrites it")
+    cfg = validate(TopkFile, data, path, TOPK_FILE, f"{EXPORT} rewrites it")
     if lm is not None:
         check_model(path, model, lm.fingerprint())
-    return Policy(path=path, model=model, threshold=_number(path, "threshold", data["threshold"]),
-                  k_star=data["k_star"], rule=data.get("ranking_rule"),
-                  strategies=tuple(_evidence(path, i, e) for i, e in enumerate(_list(path, data["strategies"]))),
-                  erratum_template=data["erratum_template"], reason=data.get("reason"),
-                  k_star_status=data.get("k_star_status"))
+    return Policy(path=path, model=model, threshold=cfg.threshold, k_star=cfg.k_star, rule=data.get("ranking_rule"),
+                  strategies=tuple(Evidence(**e.model_dump()) for e in cfg.strategies),
+                  erratum_template=cfg.erratum_template, reason=cfg.reason, k_star_status=cfg.k_star_status)
 
 
 def check_model(path: Path, stored: dict, mine: dict) -> None:
@@ -210,35 +294,3 @@ def check_model(path: Path, stored: dict, mine: dict) -> None:
         raise KvprobeError(f"{path} is for model {stored.get('spec', '?')} ({HASHES[h]} {str(stored[h])[:8]}..), "
                            f"not this model ({mine.get('spec', '?')}, {HASHES[h]} {str(mine.get(h))[:8]}..); "
                            f"export one from a results folder of this model")
-
-
-def _number(path: Path, key: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise KvprobeError(f"{path} is not a topk.yaml ({key} is {value!r}, not a number); {EXPORT} rewrites it")
-    return float(value)
-
-
-def _list(path: Path, value) -> list:
-    if not isinstance(value, list):
-        raise KvprobeError(f"{path} is not a topk.yaml (strategies is not a list); {EXPORT} rewrites it")
-    return value
-
-
-def _evidence(path: Path, i: int, entry) -> Evidence:
-    missing = [k for k in EVIDENCE_KEYS if k not in entry] if isinstance(entry, dict) else list(EVIDENCE_KEYS)
-    if missing:
-        raise KvprobeError(f"{path} is not a topk.yaml (strategies entry {i + 1} has no {', '.join(missing)}); "
-                           f"{EXPORT} rewrites it")
-    def opt(key: str) -> float | None:
-        return None if entry.get(key) is None else float(entry[key])
-
-    try:
-        ci = entry["agreement_ci95"]
-        return Evidence(spec=str(entry["spec"]), agreement=opt("agreement"),
-                        agreement_ci95=None if ci is None else (float(ci[0]), float(ci[1])), n=int(entry["n"]),
-                        control_invariance=opt("control_invariance"), n_controls=int(entry["n_controls"]),
-                        frac_recomputed=opt("frac_recomputed"), wall_s=opt("wall_s"), decide_s=opt("decide_s"),
-                        n_errors=int(entry.get("n_errors") or 0))
-    except (TypeError, ValueError, IndexError, KeyError):
-        raise KvprobeError(f"{path} is not a topk.yaml (strategies entry {i + 1}, {entry.get('spec')!r}, holds a "
-                           f"value that is not a number); {EXPORT} rewrites it") from None

@@ -13,11 +13,15 @@ import platform
 import re
 import tempfile
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from kvprobe.errors import KvprobeError, UsageError
+from kvprobe.schema import check_version
 
 MANIFEST = "manifest.json"
 VALIDITY = "validity.parquet"
@@ -33,6 +37,7 @@ TOKENS = "tokens.parquet"
 TTFT = "ttft.parquet"
 SERVING = "serving.parquet"  # kvprobe serve-bench: one row per request (kvprobe.serving.bench.COLUMNS)
 SERVING_MANIFEST = "serving_manifest.json"
+COMPOSE_MANIFEST = "compose_manifest.json"  # kvprobe validate
 REPORT = "report.html"
 
 
@@ -210,9 +215,24 @@ def check_case_ids(case_ids) -> None:
 
 
 # -- reading a results folder: one line naming the file when it is not what a command wrote --
+# Each manifest's version key and the newest version this kvprobe writes (and reads, with the older ones).
+# A manifest from a newer kvprobe is refused, not half-read; a serving or compose manifest written
+# before it had a version key is version 1.
+VERSIONS = {MANIFEST: ("kvprobe_run", 1), SWEEP_MANIFEST: ("kvprobe_sweep", 1),
+            SERVING_MANIFEST: ("kvprobe_serve_bench", 1), COMPOSE_MANIFEST: ("kvprobe_validate", 1)}
+
+
+def version_entry(name: str) -> dict:
+    """``{version key: this kvprobe's version}`` for the manifest file ``name``, for its writer."""
+    key, version = VERSIONS[name]
+    return {key: version}
+
+
 def json_object(path: Path, keys: tuple[str, ...] = (), what: str = "a JSON object") -> dict:
     """A JSON object file; not JSON, not an object, or without one of ``keys`` is a one-line
-    :class:`KvprobeError` naming the file and ``what`` it should be."""
+    :class:`KvprobeError` naming the file and ``what`` it should be. A manifest (:data:`VERSIONS`)
+    whose version key is above this kvprobe's (written by a newer kvprobe), or not a version, is
+    refused the same way."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
@@ -223,13 +243,21 @@ def json_object(path: Path, keys: tuple[str, ...] = (), what: str = "a JSON obje
     if not isinstance(data, dict) or missing:
         got = f"it lacks {', '.join(missing)}" if isinstance(data, dict) else f"it holds a {type(data).__name__}"
         raise KvprobeError(f"{path} is not {what} ({got}); rerun the command that wrote it, or move the file away")
+    if path.name in VERSIONS and VERSIONS[path.name][0] in data:
+        key, newest = VERSIONS[path.name]
+        check_version(path, data[key], key, tuple(range(1, newest + 1)),
+                      "rerun the command that wrote it, or move the file away")
     return data
 
 
-def read_table(path: Path) -> pd.DataFrame:
-    """A parquet table; a file that is not one is a one-line :class:`KvprobeError` naming it."""
+def read_table(path: Path, required: tuple[str, ...] = ()) -> pd.DataFrame:
+    """A parquet table that, when it has rows, holds the ``required`` columns (what the caller reads
+    unconditionally) and whose columns are of the kinds :data:`TABLE_SCHEMAS` gives for its file
+    name. A file that is not a parquet table, lacks a required column, or holds a column of the
+    wrong kind (text where numbers belong) is a one-line :class:`KvprobeError` naming the file and
+    the column."""
     try:
-        return pd.read_parquet(path)
+        df = pd.read_parquet(path)
     except (OSError, ValueError, KeyError, TypeError) as exc:  # pyarrow's errors are ValueError/OSError
         first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
         first = re.sub(r"^Could not open Parquet input source '[^']*': ", "", first)
@@ -237,6 +265,9 @@ def read_table(path: Path) -> pd.DataFrame:
             first = "no parquet magic bytes: corrupted, or not a parquet file"
         raise KvprobeError(f"{path} is not a readable parquet table ({first}); rerun the command that wrote it, "
                            f"or move the file away") from None
+    if len(df):  # a table of no rows (no case finished) has nothing to check
+        TABLE_SCHEMAS.get(Path(path).name, TableSchema("a results table", {})).check(path, df, required)
+    return df
 
 
 def package_versions() -> dict:
@@ -250,6 +281,106 @@ def package_versions() -> dict:
             out[pkg] = None
     return out
 
+
+# -- the columns a results table must hold: what its readers (report, compare, export-topk) use ----
+NUMBER, FLAG, TEXT = "number", "flag", "text"  # the kinds of column a table holds
+_KIND = {NUMBER: "numbers", FLAG: "true/false flags", TEXT: "strings"}
+
+
+def _fits(values: pd.Series, kind: str):
+    """None when every non-missing value of the column fits ``kind``, else the first that does not."""
+    values = values.dropna()
+    if not len(values):
+        return None
+    if kind == TEXT:
+        ok = pd.api.types.is_string_dtype(values) or values.map(lambda v: isinstance(v, str))
+    elif kind == NUMBER:
+        ok = (pd.api.types.is_numeric_dtype(values) or
+              values.map(lambda v: isinstance(v, (bool, int, float, np.number, np.bool_))))
+    else:
+        ok = (pd.api.types.is_bool_dtype(values) or
+              values.map(lambda v: isinstance(v, (bool, np.bool_)) or (isinstance(v, (int, float, np.number))
+                                                                       and v in (0, 1))))
+    if ok is True:
+        return None
+    bad = values[~ok.astype(bool)]
+    if not len(bad):
+        return None
+    return bad.iloc[0].item() if isinstance(bad.iloc[0], np.generic) else bad.iloc[0]
+
+
+@dataclass(frozen=True)
+class TableSchema:
+    """The kinds of a results table's columns (name -> :data:`NUMBER`: numbers or true/false;
+    :data:`FLAG`: true/false or 0/1; :data:`TEXT`: strings; missing values are allowed in each):
+    every column a reader may use. Which columns must be there is the reader's to say."""
+
+    what: str
+    kinds: Mapping[str, str]
+
+    def check(self, path: Path, df: pd.DataFrame, required: tuple[str, ...] = ()) -> None:
+        missing = [c for c in required if c not in df.columns]
+        if missing:
+            raise KvprobeError(f"{path} is not {self.what} as kvprobe writes it (no column {', '.join(missing)}); "
+                               f"rerun the command that wrote it, or move the file away")
+        for col, kind in self.kinds.items():
+            if col in df.columns:
+                bad = _fits(df[col], kind)
+                if bad is not None:
+                    raise KvprobeError(f"{path} is not {self.what} as kvprobe writes it (column {col} holds "
+                                       f"{bad!r}, where {_KIND[kind]} belong); rerun the command that wrote it, "
+                                       f"or move the file away")
+
+
+def table_schema(what: str, text: str = "", number: str = "", flag: str = "") -> TableSchema:
+    """A :class:`TableSchema` from space-separated column names per kind."""
+    return TableSchema(what, {**dict.fromkeys(text.split(), TEXT), **dict.fromkeys(number.split(), NUMBER),
+                              **dict.fromkeys(flag.split(), FLAG)})
+
+
+# The kinds of the columns each table's writer gives it (a column of missing values only, or of mixed
+# kinds, is left out). What must be there is the reader's: the report's NEEDS (kvprobe.reports.folder),
+# export-topk's columns (kvprobe.editor.topk).
+TABLE_SCHEMAS: dict[str, TableSchema] = {
+    VALIDITY: table_schema("a validity table",
+                           text="case_id domain field old_value new_value expected_old expected_new pred_old pred_new",
+                           number="m_old m_new logit_shift n_tokens",
+                           flag="control correct_old correct_new flipped valid"),
+    EDITS: table_schema("an edits table",
+                        text="model case_id strategy ranking pred pred_oracle generated error note chose domain field "
+                             "template_id",
+                        number="k m m_stale m_oracle oracle_flip recovery cosine kl tokens_recomputed tokens_total "
+                               "frac_recomputed wall_s decide_s cot n_tokens",
+                        flag="agree correct rewritten_prompt control valid"),
+    LOCALITY: table_schema("a locality table", text="model case_id probe region metric set kind",
+                           number="layer position value k m_stale m_oracle oracle_flip n_positions", flag="control"),
+    CONCENTRATION: table_schema("a concentration table", text="model case_id probe region metric kind",
+                                number="value n_tokens k oracle_flip", flag="control"),
+    ATTENTION: table_schema("an attention table", text="model case_id probe region metric",
+                            number="layer head value n_keys", flag="control"),
+    KNOCKOUT: table_schema("a knockout table", text="model case_id probe region metric cache set band layers heads",
+                           number="layer head value k m_stale m_oracle n_positions oracle_flip", flag="control"),
+    LINEAR: table_schema("a linear-probe table", text="model probe region metric stream label note",
+                         number="layer value n n_templates n_layers"),
+    TOKENS: table_schema("a tokens table", text="case_id token token_new kind region", number="position"),
+    COMPOSE: table_schema("a compose table", text="model domain kind answer expected oracle_answer",
+                          number="n_blocks block_tokens context_tokens seam cosine kl margin oracle_margin "
+                                 "oracle_wall_s wall_s", flag="rerotate agree top1_agree"),
+    TTFT: table_schema("a TTFT table", text="model", number="block_tokens full_s compose_s speedup seam"),
+    SERVING: table_schema("a serve-bench table",
+                          text="model served_model arm value answer text oracle_answer rule_answer error",
+                          number="rate request prompt_tokens cached_tokens ceiling_tokens hit_rate ttft_s latency_s "
+                                 "send_s finish_s agree run_sent run_wall_s run_queries run_hits block_size "
+                                 "base_prompt_tokens", flag="cached_reported ok"),
+    SWEEP: table_schema("a `kvprobe sweep` table",
+                        text="model cell layout field_style rule_style case_id domain field measure name error chose",
+                        number="filler_tokens downstream_tokens field_tokens n_tokens agree m m_stale m_oracle "
+                               "oracle_flip recovery frac_recomputed wall_s case_s", flag="control valid"),
+    SWEEP_SUMMARY: table_schema("a `kvprobe sweep` summary", text="cell layout field_style rule_style measure name",
+                                number="filler_tokens downstream_tokens n_tokens n_cases n_valid n_decision "
+                                       "n_valid_controls n_errors agree agree_lo agree_hi n_agree recovery recovery_lo "
+                                       "recovery_hi n_recovery frac_recomputed validity case_s"),
+}
 
 RUN_MANIFEST_KEYS = ("kvprobe_run", "config", "model")  # what `kvprobe run` writes and the report reads
 

@@ -171,6 +171,54 @@ def test_report_refuses_a_manifest_kvprobe_did_not_write(tmp_path, manifest):
     assert not (tmp_path / "r.html").exists()
 
 
+def test_a_table_lacking_a_column_or_holding_the_wrong_kind_names_both(tmp_path):
+    """A required column missing, or text where numbers or flags belong: one line naming the file and the
+    column (export-topk, report and compare read the same tables through one check)."""
+    import pandas as pd
+
+    folder = _results(tmp_path / "res")
+    edits = {"case_id": ["c1"], "strategy": ["stale"], "ranking": [None], "cot": [0], "k": [None], "agree": [True],
+             "recovery": [0.0], "frac_recomputed": [0.0], "valid": [True], "control": [False]}
+    pd.DataFrame({k: v for k, v in edits.items() if k != "agree"}).to_parquet(folder / "edits.parquet")
+    out = ("--out", str(tmp_path / "r.html"))
+    one_line_error(kvprobe("export-topk", str(folder), "--out", str(tmp_path / "t.yaml")), 3,
+                   f"{folder / 'edits.parquet'} is not an edits table as kvprobe writes it (no column agree)")
+    one_line_error(kvprobe("report", str(folder), *out), 3, "edits.parquet", "(no column agree, correct, ")
+    one_line_error(kvprobe("compare", str(folder)), 3, "edits.parquet", "(no column agree, correct, ")
+    pd.DataFrame({**edits, "k": ["eight"]}).to_parquet(folder / "edits.parquet")
+    one_line_error(kvprobe("export-topk", str(folder), "--out", str(tmp_path / "t.yaml")), 3,
+                   "edits.parquet is not an edits table as kvprobe writes it (column k holds 'eight', where numbers "
+                   "belong)")
+    pd.DataFrame({"case_id": ["c1"], "control": [False], "valid": ["x"]}).to_parquet(folder / "validity.parquet")
+    for args in (("report", str(folder), *out), ("compare", str(folder))):
+        one_line_error(kvprobe(*args), 3, "validity.parquet is not a validity table as kvprobe writes it (column "
+                                          "valid holds 'x', where true/false flags belong)")
+    assert not (tmp_path / "r.html").exists() and not (tmp_path / "t.yaml").exists()
+
+
+NEWER = {  # a manifest from a newer kvprobe: (file, what it holds)
+    "manifest.json": {"kvprobe_run": 2, "config": {"model": "tiny-llama"}, "model": {"spec": "tiny-llama"}},
+    "sweep_manifest.json": {"kvprobe_sweep": 99, "config": {"model": "tiny-llama"}, "model": {}, "cells": {}},
+    "compose_manifest.json": {"kvprobe_validate": 2, "command": "validate", "model": {"spec": "tiny-llama"}},
+    "serving_manifest.json": {"kvprobe_serve_bench": 2, "command": "serve-bench", "config": {}},
+}
+
+
+def test_a_manifest_from_a_newer_kvprobe_is_refused(tmp_path):
+    for name, manifest in NEWER.items():
+        folder = tmp_path / name.split(".")[0]
+        folder.mkdir()
+        (folder / name).write_text(json.dumps(manifest))
+        key, version = next(iter(manifest.items()))
+        out = () if name.startswith("sweep") else ("--out", str(tmp_path / "r.html"))  # a sweep's page: its folder
+        one_line_error(kvprobe("report", str(folder), *out), 3,
+                       f"{folder / name} was written by a newer kvprobe ({key} {version}; this kvprobe reads 1)")
+    one_line_error(kvprobe("compare", str(tmp_path / "manifest")), 3, "manifest.json was written by a newer kvprobe")
+    one_line_error(kvprobe("export-topk", str(tmp_path / "sweep_manifest"), "--out", str(tmp_path / "t.yaml")), 3,
+                   "sweep_manifest.json was written by a newer kvprobe")
+    assert not (tmp_path / "r.html").exists() and not (tmp_path / "sweep_manifest" / "report.html").exists()
+
+
 # -- g. a hub id with no hub ------------------------------------------------------------------------
 
 def test_offline_hub_id_is_one_line_and_fast(tmp_path):

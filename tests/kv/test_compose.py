@@ -9,6 +9,7 @@ tiny sliding window (16), so Gemma-2/3 and Mistral exercise full KV + masking.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 
 import numpy as np
@@ -235,6 +236,7 @@ def test_validate_cli_writes_table_and_gates(tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     assert (tmp_path / "a" / COMPOSE).exists() and list((tmp_path / "a" / "blocks").glob("*.safetensors"))
     assert "PASS" in res.output
+    assert json.loads((tmp_path / "a" / "compose_manifest.json").read_text())["kvprobe_validate"] == 1  # its version
 
     real = composer.run_compose
     monkeypatch.setattr(gate, "run_compose", lambda *a, **k: real(*a, **k).assign(agree=False))

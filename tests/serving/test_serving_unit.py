@@ -342,6 +342,7 @@ def test_bench_against_a_stand_in_server(byte_bench, fake_vllm, tmp_path):
     assert df[df["arm"].isin(["edit_unique", "edit_set"])]["agree"].eq(1.0).all()
     manifest = json.loads((out / SERVING_MANIFEST).read_text())
     assert manifest["block_size"] == 32 and manifest["policy"]["erratum_ceiling"] > 0.9
+    assert manifest["kvprobe_serve_bench"] == 1  # its version: a newer kvprobe's manifest is refused on resume
     # a second benchmark on the same warm server: its unique values are unique still
     again = measure.summarize(pd.read_parquet(byte_bench.Bench(_cfg(byte_bench), fake.url, tmp_path / "again").run()))
     again = again.set_index("arm")

@@ -233,3 +233,25 @@ def test_two_threads_on_one_context_get_what_a_sequential_run_gets(toy, cases):
         assert not errors, (trial, errors)
         for s in strategies:
             assert torch.equal(got[s], want[s]), (trial, s, float((got[s] - want[s]).abs().max()))
+
+
+def test_a_policy_path_is_loaded_and_a_bad_one_refused_in_one_line(toy, cases, tmp_path):
+    """EditableContext(policy=...) takes a pathlib.Path like a str; a file naming an unknown strategy, or a
+    policy that is neither, is one line."""
+    import yaml
+
+    case = next(c for c in cases if c.control)
+    cfg = {"schema_version": 3, "model": toy.fingerprint(), "threshold": 0.95, "erratum_template": None,
+           "k_star": None, "k_star_status": "no ranking", "reason": "a sweep measures no causal ranking",
+           "strategies": [{"spec": "field_only", "agreement": 1.0, "agreement_ci95": [0.91, 1.0], "n": 40,
+                           "control_invariance": None, "n_controls": 0, "frac_recomputed": 0.01, "wall_s": None}]}
+    path = tmp_path / "topk.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    fixed = context_of(toy, case, policy=path).edit(**{case.field: case.new_value})
+    assert fixed.chose == "field_only" and fixed.reason.startswith(f"policy {path}: field_only")
+    cfg["strategies"][0]["spec"] = "telepathy"
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(KvprobeError, match=f"^{path} is not a valid topk.yaml: strategies entry 1 names a strategy"):
+        kvprobe.EditableContext(toy, policy=path)
+    with pytest.raises(UsageError, match="policy must be the path of a topk.yaml .* not int"):
+        kvprobe.EditableContext(toy, policy=123)

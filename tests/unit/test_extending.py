@@ -112,3 +112,74 @@ def test_a_model_family(tmp_path, monkeypatch):
     finally:
         monkeypatch.delenv("KVPROBE_FAMILY_PATH")
         families.cache_clear()
+
+
+LLAMA = Path(__file__).resolve().parents[2] / "src" / "kvprobe" / "models" / "families" / "llama.yaml"
+
+
+def _mine(**changes) -> str:
+    """llama.yaml as a user family ``mine`` (its own model type), with lines replaced: key -> new line."""
+    lines = LLAMA.read_text().replace("family: llama", "family: mine").replace("model_types: [llama]",
+                                                                               "model_types: [mine]").splitlines()
+    for key, line in changes.items():
+        lines = [line if ln.startswith(f"{key}:") else ln for ln in lines]
+    return "\n".join(lines) + "\n"
+
+
+BAD_FAMILY_FILES = {  # name -> (what to put at x.yaml: bytes, text or None for a folder; what the error says)
+    "not UTF-8": (b"family: x\n\xff\xfe\n", "cannot be read as a family file (not UTF-8 text)"),
+    "a folder": (None, "is not a family file (it is not a regular file)"),
+    "empty": ("", "is not a family file (it is empty)"),
+    "a list": ("- family\n- llama\n", "is not a family file (it holds a list, not a mapping of keys)"),
+    "not YAML": ("family: [x\n", "is not a family file (not valid YAML"),
+    "a key missing": (_mine().replace("lm_head: lm_head\n", ""), "is not a valid family file: has no lm_head"),
+    "an unknown key": (_mine() + "rope_style: rotate_half\n", "has an unknown key 'rope_style'"),
+    "a path not a string": (_mine(layers="layers: 5"), "layers is 5; accepted: a non-empty string"),
+    "proj missing k": (_mine(proj="proj: {q: q_proj, v: v_proj, o: o_proj}"), "proj has no k"),
+    "no model types": (_mine(model_types="model_types: []"), "model_types is []"),
+    "a built-in family": (LLAMA.read_text(), "names the built-in family 'llama'; a family file may add a family, "
+                                             "not replace one"),
+    "a built-in model type": (_mine(model_types="model_types: [mine, qwen2]"),
+                              "claims model type 'qwen2', which the built-in family 'qwen2' already reads"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_FAMILY_FILES))
+def test_a_bad_family_file_is_one_line_naming_it(tmp_path, monkeypatch, name):
+    from kvprobe.errors import KvprobeError
+    from kvprobe.models import families
+
+    content, needle = BAD_FAMILY_FILES[name]
+    path = tmp_path / "x.yaml"
+    if content is None:
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    monkeypatch.setenv("KVPROBE_FAMILY_PATH", str(tmp_path))
+    families.cache_clear()
+    try:
+        with pytest.raises(KvprobeError) as exc:
+            families()
+        assert str(exc.value).startswith(str(path)) and needle in str(exc.value) and "\n" not in str(exc.value)
+    finally:
+        monkeypatch.delenv("KVPROBE_FAMILY_PATH")
+        families.cache_clear()
+    assert families()["llama"].model_types == ("llama",)  # the built-in family is as it was
+
+
+def test_a_user_family_file_is_read_once_and_keeps_its_optional_keys_absent(tmp_path, monkeypatch):
+    from kvprobe.models import families
+
+    (tmp_path / "mine.yaml").write_text(_mine())
+    monkeypatch.setenv("KVPROBE_FAMILY_PATH", f"{tmp_path}:{tmp_path}")  # a folder named twice is read once
+    families.cache_clear()
+    try:
+        mine = families()["mine"]
+        assert mine.model_types == ("mine",) and mine.rope == {"style": "rotate_half",
+                                                               "theta": "rope_parameters.rope_theta"}
+        assert families()["gemma3"].rope["local_theta"] and "enabled" not in families()["mistral"].sliding
+    finally:
+        monkeypatch.delenv("KVPROBE_FAMILY_PATH")
+        families.cache_clear()

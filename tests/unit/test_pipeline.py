@@ -185,3 +185,28 @@ def test_each_case_is_prefilled_once_and_the_cost_is_in_the_manifest(lm, tmp_pat
     assert {"validity", "locality", "attention", "knockout", "linear", "edits"} <= set(profile["per_valid_case"])
     assert profile["total_per_valid_case"] == pytest.approx(sum(profile["per_valid_case"].values()), abs=0.01)
     assert len(profile["cases"]["validity"]) == manifest["counts"]["aligned"]
+
+
+def test_a_results_table_is_read_by_the_kinds_of_its_columns(tmp_path):
+    """read_table: missing values, flags stored as 0/1, a column it has no kind for and a table of no rows
+    pass; text in a number column, a number in a text column and 2 in a flag column do not, named."""
+    import numpy as np
+
+    from kvprobe.results import read_table
+
+    path = tmp_path / EDITS
+    ok = pd.DataFrame({"case_id": ["a", None], "k": [8, None], "agree": [1.0, np.nan], "valid": [True, False],
+                       "extra": [[1], [2, 3]]})
+    ok.to_parquet(path)
+    assert read_table(path, ("case_id", "agree")).equals(pd.read_parquet(path))
+    pd.DataFrame({"case_id": pd.Series([], dtype=str)}).to_parquet(path)
+    assert read_table(path, ("agree",)).empty  # no case finished: nothing to check
+    for change, needle in ((dict(k=["x", "y"]), "column k holds 'x', where numbers belong"),
+                           (dict(case_id=[1, 2]), "column case_id holds 1, where strings belong"),
+                           (dict(agree=[1.0, 2.0]), "column agree holds 2.0, where true/false flags belong")):
+        ok.assign(**change).to_parquet(path)
+        with pytest.raises(KvprobeError, match=f"^{path} is not an edits table as kvprobe writes it .{needle}"):
+            read_table(path)
+    with pytest.raises(KvprobeError, match=r"no column recovery, cot"):
+        ok.to_parquet(path)
+        read_table(path, ("case_id", "recovery", "cot"))

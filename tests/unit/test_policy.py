@@ -280,3 +280,105 @@ def test_export_topk_cli_on_a_sweep_folder(lm, tmp_path):
     (folder / SWEEP_MANIFEST).unlink()  # a sweep that has not finished
     res = CliRunner().invoke(app, ["export-topk", str(folder)])
     assert isinstance(res.exception, KvprobeError) and "the sweep has not finished" in str(res.exception)
+
+
+# -- a hand-edited file: every value checked against the file's schema -------------------------------
+def _set(*keys, value):
+    """A change to a loaded topk.yaml: the value at ``keys`` (names and list indices) becomes ``value``."""
+    def change(cfg):
+        target = cfg
+        for key in keys[:-1]:
+            target = target[key]
+        target[keys[-1]] = value
+    return change
+
+
+BAD_VALUES = {  # a change -> what the one-line refusal must say
+    "threshold -1": (_set("threshold", value=-1), "threshold is -1; accepted: a number from 0 to 1"),
+    "threshold NaN": (_set("threshold", value=float("nan")), "threshold is nan; accepted: a number from 0 to 1"),
+    "agreement 5.0": (_set("strategies", 2, "agreement", value=5.0),
+                      "strategies entry 3, agreement is 5.0; accepted: a number from 0 to 1"),
+    "n -7": (_set("strategies", 0, "n", value=-7), "strategies entry 1, n is -7; accepted: a whole number, 0 or more"),
+    "n 'ten'": (_set("strategies", 0, "n_controls", value="ten"), "strategies entry 1, n_controls is 'ten'"),
+    "n true": (_set("strategies", 0, "n", value=True), "strategies entry 1, n is True"),
+    "k_star 'eight'": (_set("k_star", value="eight"), "k_star is 'eight'; accepted: a whole number, 0 or more"),
+    "k_star without its status": (_set("k_star", value=2), "k_star 2 with k_star_status 'not established'"),
+    "ranking_rule a string": (_set("ranking_rule", value="causal"),
+                              "ranking_rule is 'causal'; accepted: a mapping (key: value)"),
+    "n_training_cases 'ten'": (_set("ranking_rule", "n_training_cases", value="ten"),
+                               "ranking_rule.n_training_cases is 'ten'; accepted: a whole number"),
+    "a score not a number": (_set("ranking_rule", "scores", "word|2|1", value="high"),
+                             "ranking_rule.scores.word|2|1 is 'high'; accepted: a finite number"),
+    "interval upside down": (_set("strategies", 0, "agreement_ci95", value=[0.9, 0.1]),
+                             "strategies entry 1, agreement_ci95 is [0.9, 0.1]"),
+    "k_sweep n negative": (_set("k_sweep", 0, "n", value=-1), "k_sweep entry 1, n is -1"),
+    "wall_s infinite": (_set("strategies", 0, "wall_s", value=float("inf")), "strategies entry 1, wall_s is inf"),
+    "spec empty": (_set("strategies", 0, "spec", value=" "), "strategies entry 1, spec is ' '"),
+    "status unknown": (_set("k_star_status", value="sure"), "k_star_status is 'sure'; accepted: one of"),
+    "an unknown key": (_set("treshold", value=0.9), "has an unknown key 'treshold'"),
+    "a strategies entry not a mapping": (_set("strategies", 1, value="field_only"),
+                                         "strategies entry 2 is 'field_only'; accepted: a mapping"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_VALUES))
+def test_a_hand_edited_value_is_refused_naming_the_field(lm, tmp_path, name):
+    change, needle = BAD_VALUES[name]
+    path = export_topk(run_folder(tmp_path / "run", lm.fingerprint()))
+    cfg = yaml.safe_load(path.read_text())
+    change(cfg)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    refused(path, lm, str(path), "is not a valid topk.yaml", needle, "kvprobe export-topk")
+
+
+def test_a_negative_threshold_no_longer_lets_auto_choose_a_failed_strategy(lm, tmp_path):
+    """The issue's file: with threshold -1, cacheblend (agreement 0.00 on 20 cases, 0 of 10 controls kept) was
+    the cheapest strategy that 'reached' the threshold, so `auto` chose it. The file is refused now."""
+    path = export_topk(run_folder(tmp_path / "run", lm.fingerprint()))
+    cfg = yaml.safe_load(path.read_text())
+    blend = entry(cfg, "cacheblend:0.15")
+    blend.update(agreement=0.0, agreement_ci95=[0.0, 0.1611], n=20, control_invariance=0.0, n_controls=10,
+                 frac_recomputed=0.001)
+    cfg["threshold"] = -1
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    refused(path, lm, "threshold is -1; accepted: a number from 0 to 1")
+    cfg["threshold"] = 0.95  # the same evidence under a valid threshold: cacheblend is not chosen
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    assert P.load(path, lm).cheapest(min_cases=4).spec != "cacheblend:0.15"
+
+
+def test_a_newer_schema_version_says_so(lm, tmp_path):
+    path = export_topk(run_folder(tmp_path / "run", lm.fingerprint()))
+    path.write_text(path.read_text().replace("schema_version: 3", "schema_version: 4", 1))
+    refused(path, lm, "was written by a newer kvprobe (schema_version 4; this kvprobe reads 2 or 3)")
+    path.write_text(path.read_text().replace("schema_version: 4", "schema_version: '3'", 1))
+    refused(path, lm, "has schema_version '3', not a version this kvprobe reads (2 or 3)")
+
+
+def test_a_schema_2_file_still_loads(lm, tmp_path):
+    """Schema 2 had no k_star_status and chose K* on its point estimate; its interval ends may be NaN."""
+    path = export_topk(run_folder(tmp_path / "run", lm.fingerprint()))
+    cfg = yaml.safe_load(path.read_text())
+    for key in ("k_star_status", "k_candidate"):
+        cfg.pop(key)
+    cfg.update(schema_version=2, k_star=2)
+    cfg["k_sweep"][0].update(agreement_lo=float("nan"), agreement_hi=float("nan"), recovery_lo=float("nan"))
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    policy = P.load(path, lm)
+    assert policy.k_star == 2 and policy.k_star_status is None
+
+
+def test_an_unknown_strategy_in_a_policy_names_the_file(lm, tmp_path):
+    from kvprobe.editor.strategies import load_policy, parse_strategy
+
+    path = export_topk(run_folder(tmp_path / "run", lm.fingerprint()))
+    cfg = yaml.safe_load(path.read_text())
+    entry(cfg, "field_only")["spec"] = "telepathy"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    with pytest.raises(KvprobeError) as exc:
+        load_policy(path, lm)
+    assert str(path) in str(exc.value) and "strategies entry 6 names a strategy this kvprobe does not know" in \
+        str(exc.value) and "bad strategy 'telepathy'" in str(exc.value) and "\n" not in str(exc.value)
+    assert exc.type is KvprobeError  # a bad file (exit 3), not a bad option (exit 2)
+    with pytest.raises(KvprobeError, match=f"{path}.*telepathy"):
+        parse_strategy(f"auto:{path}").check(lm, None)  # auto:PATH reads the file through the same check

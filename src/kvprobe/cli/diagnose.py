@@ -134,9 +134,9 @@ def diagnose(prompt: Prompt, model: opt.Model = opt.DEFAULTS["model"],
     lm = load_with_status(model, dtype, device, allow_failed_toy=allow_failed_toy, device_map=device_map)
     loaded = None
     if policy is not None:
-        from kvprobe.field_policy import load_any
+        from kvprobe.editor.strategies import load_policy
 
-        loaded = load_any(policy, lm, parse_strategy)
+        loaded = load_policy(policy, lm)
     with progress_bar() as bar:
         def start(total: int):
             task = bar.add_task(f"diagnosing {len(new_values)} value(s) x {len(specs)} strategies", total=total)

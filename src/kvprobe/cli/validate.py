@@ -44,7 +44,8 @@ def validate(model: opt.Model = opt.DEFAULTS["model"], n: int = typer.Option(50,
     from kvprobe.composer.blocks import check_composable
     from kvprobe.composer.gate import run_compose, summarize_compose
     from kvprobe.datasets.skills import check_options
-    from kvprobe.results import COMPOSE, VALIDATE_CLAIM, ResultsFolder, atomic_write_parquet
+    from kvprobe.results import (COMPOSE, COMPOSE_MANIFEST, VALIDATE_CLAIM, ResultsFolder, atomic_write_parquet,
+                                 version_entry)
 
     seam_list = sorted(set(opt.parse_ints(seams, "--seams")) | {seam})
     bt, nb = opt.parse_ints(block_tokens, "--block-tokens", count=2), opt.parse_ints(blocks, "--blocks", count=2)
@@ -70,9 +71,9 @@ def validate(model: opt.Model = opt.DEFAULTS["model"], n: int = typer.Option(50,
                          on_precompile=lambda i, total: bar.update(pre, completed=i, total=total))
     path = atomic_write_parquet(df, out / COMPOSE)
     summary = summarize_compose(df)
-    folder.write("compose_manifest.json", folder.manifest(
-        lm, command="validate", n=n, seed=seed, seams=seam_list, gated_seam=seam, threshold=threshold,
-        block_tokens=bt, n_blocks=nb, form=form, attn=attn, wall_s=time.perf_counter() - start,
+    folder.write(COMPOSE_MANIFEST, folder.manifest(
+        lm, **version_entry(COMPOSE_MANIFEST), command="validate", n=n, seed=seed, seams=seam_list, gated_seam=seam,
+        threshold=threshold, block_tokens=bt, n_blocks=nb, form=form, attn=attn, wall_s=time.perf_counter() - start,
         summary=summary.to_dict("records")))
     table = Table(title=f"composed vs full recompute: {model} ({df.query_id.nunique()} queries, "
                         f"{int(df.context_tokens.median())} median context tokens)")

@@ -41,6 +41,7 @@ from kvprobe.datasets.spans import prompt_ids
 from kvprobe.editor.context import EditContext
 from kvprobe.editor.rankings import RANKINGS, rank_downstream
 from kvprobe import field_policy
+from kvprobe import policy as policies
 from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.kv import cache as kvcache
 from kvprobe.kv.decode import Edited, decide
@@ -418,7 +419,7 @@ class Auto(Strategy):
             return fallback
         key = (self.policy, id(lm))
         if key not in _POLICIES:
-            _POLICIES[key] = field_policy.load_any(self.policy, lm, parse_strategy)
+            _POLICIES[key] = load_policy(self.policy, lm)
         return _POLICIES[key]
 
     def check(self, lm, a) -> None:
@@ -451,6 +452,27 @@ class Auto(Strategy):
         return dataclasses.replace(edited, recomputed=edited.recomputed + extra, chose=fallback.spec,
                                    note=f"field-only kept {stale!r} (the old conclusion is held downstream, or the edit "
                                         f"does not change it); {why}")
+
+
+def load_policy(path, lm) -> policies.Policy | field_policy.FieldPolicy:
+    """A policy file for ``lm``: a ``field_policy.yaml`` (:func:`kvprobe.field_policy.load_any`, every
+    repair it names parsed), or a ``topk.yaml`` (:func:`kvprobe.policy.load`: types, ranges, schema
+    version and model checked there) with :func:`check_policy_specs`: what every policy kvprobe
+    uses goes through."""
+    policy = field_policy.load_any(path, lm, parse_strategy)
+    return policy if isinstance(policy, field_policy.FieldPolicy) else check_policy_specs(policy)
+
+
+def check_policy_specs(policy: policies.Policy) -> policies.Policy:
+    """Refuse, in one line naming the file, a policy whose ``strategies`` name a spec this kvprobe
+    cannot parse (:func:`parse_strategy`); returns ``policy``."""
+    for i, e in enumerate(policy.strategies):
+        try:
+            parse_strategy(e.spec)
+        except KvprobeError as exc:
+            raise KvprobeError(f"{policy.path} is not a valid topk.yaml: strategies entry {i + 1} names a strategy "
+                               f"this kvprobe does not know ({exc}); {policies.EXPORT} rewrites it") from None
+    return policy
 
 
 def check_policies(strategies: list[Strategy], lm) -> None:

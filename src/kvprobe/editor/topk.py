@@ -188,6 +188,7 @@ def write_topk(cfg: dict, path: Path | str) -> Path:
     return atomic_write(Path(path), lambda tmp: tmp.write_text(yaml.safe_dump(cfg, sort_keys=False)))
 
 
+# the columns export-topk reads (read_table refuses a table with rows that lacks one, or of the wrong kind)
 EDITS_COLUMNS = ("case_id", "strategy", "ranking", "cot", "k", "agree", "recovery", "frac_recomputed", "valid",
                  "control")
 SWEEP_COLUMNS = ("case_id", "measure", "name", "agree", "valid", "control", "frac_recomputed", "wall_s")
@@ -217,11 +218,7 @@ def export_topk(results_dir: Path | str, out: Path | str | None = None, threshol
                            f"erratum_template); rerun `kvprobe run`")
     rule = json_object(results_dir / RANKING_RULE, ("held_out_cases", "rule", "kinds_at_top", "max_downstream"),
                        "a ranking rule as `kvprobe run` writes it")
-    edits = read_table(results_dir / EDITS)
-    missing = [c for c in EDITS_COLUMNS if c not in edits.columns]
-    if missing:
-        raise KvprobeError(f"{results_dir / EDITS} is not an edits table of `kvprobe run` (no column "
-                           f"{', '.join(missing)}); rerun `kvprobe run`")
+    edits = read_table(results_dir / EDITS, EDITS_COLUMNS)
     if not isinstance(rule["held_out_cases"], list) or not isinstance(rule["rule"], dict):
         raise KvprobeError(f"{results_dir / RANKING_RULE} is not a ranking rule as `kvprobe run` writes it "
                            f"(held_out_cases must be a list, rule an object); rerun `kvprobe run`")
@@ -247,11 +244,7 @@ def export_sweep(folder: Path, out: Path | str | None = None, threshold: float =
                            f"rerun `kvprobe sweep`")
     if not (folder / SWEEP).exists():
         raise KvprobeError(f"{folder} has no {SWEEP}; rerun the same `kvprobe sweep` to write it")
-    rows = read_table(folder / SWEEP)
-    missing = [c for c in SWEEP_COLUMNS if c not in rows.columns]
-    if missing:
-        raise KvprobeError(f"{folder / SWEEP} is not a `kvprobe sweep` table (no column {', '.join(missing)}); "
-                           f"rerun `kvprobe sweep`")
+    rows = read_table(folder / SWEEP, SWEEP_COLUMNS)
     rows = rows[rows.measure == "strategy"]
     try:
         templates = {s.text for s in map(parse_strategy, rows["name"].unique()) if isinstance(s, Erratum)}

@@ -12,12 +12,14 @@ import os
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import yaml
+from pydantic import Field
 
 from kvprobe.errors import KvprobeError
+from kvprobe.schema import File, Text, validate
 
 ROPE_TYPES_SUPPORTED = ("default", "linear", "llama3", "yarn")
 
@@ -54,29 +56,124 @@ class Family:
 
 
 FAMILY_PATH = "KVPROBE_FAMILY_PATH"  # more folders of family files, separated like PATH
+HINT = "see src/kvprobe/models/families/llama.yaml for the keys"
+
+
+class _Proj(File):
+    q: Text
+    k: Text
+    v: Text
+    o: Text
+
+
+class _Keys(File):
+    """The config keys of the head layout (``vocab`` is informative)."""
+
+    layers: Text
+    heads: Text
+    kv_heads: Text
+    head_dim: Text
+    hidden: Text
+    vocab: Text | None = None
+
+
+class _Rope(File):
+    style: Text
+    theta: Text
+    local_theta: Text | None = None  # a second base, for the sliding layers (Gemma-3)
+
+
+class _Sliding(File):
+    window: Text
+    enabled: Text | None = None  # a config key that turns the window on (Qwen)
+    layer_types: Text | None = None
+
+
+class FamilyFile(File):
+    """A family YAML: every key and what it accepts (module paths and config keys are strings)."""
+
+    family: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
+    model_types: Annotated[list[Text], Field(min_length=1)]
+    causal_lm_class: Text
+    config_class: Text
+    layers: Text
+    embed: Text
+    final_norm: Text
+    lm_head: Text
+    attention: Text
+    proj: _Proj
+    k_norm: Text | None
+    keys: _Keys
+    rope: _Rope
+    sliding: _Sliding | None
+    tiny: dict[str, Any]
+    toy: dict[str, Any] | None = None
 
 
 def _family_files() -> list:
+    """The package's family files, then each folder's in ``$KVPROBE_FAMILY_PATH`` (``(entry, builtin)``)."""
     packaged = resources.files("kvprobe.models") / "families"  # read as a folder, not imported as a package
-    files = sorted((e for e in packaged.iterdir() if e.name.endswith(".yaml")), key=lambda e: e.name)
-    for folder in filter(None, os.environ.get(FAMILY_PATH, "").split(os.pathsep)):
-        files += sorted(Path(folder).glob("*.yaml"))
+    files = [(e, True) for e in sorted((e for e in packaged.iterdir() if e.name.endswith(".yaml")),
+                                       key=lambda e: e.name)]
+    seen = set()
+    for folder in (Path(f) for f in os.environ.get(FAMILY_PATH, "").split(os.pathsep) if f):
+        if folder.resolve() not in seen:  # a folder named twice is read once
+            seen.add(folder.resolve())
+            files += [(f, False) for f in sorted(folder.glob("*.yaml"))]
     return files
+
+
+def read_family(entry) -> Family:
+    """One family file, checked against :class:`FamilyFile`; a file that is not one (unreadable, not
+    UTF-8, not YAML, empty, not a mapping, a key missing, unknown or of the wrong type) is a one-line
+    :class:`KvprobeError` naming it."""
+    if not entry.is_file():
+        raise KvprobeError(f"{entry} is not a family file (it is not a regular file); move it out of "
+                           f"${FAMILY_PATH}'s folders")
+    try:
+        data = yaml.safe_load(entry.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        why = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else exc.strerror or str(exc)
+        raise KvprobeError(f"{entry} cannot be read as a family file ({why}); {HINT}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark is not None else ""
+        raise KvprobeError(f"{entry} is not a family file (not valid YAML: {where}"
+                           f"{getattr(exc, 'problem', None) or exc}); {HINT}") from None
+    if not isinstance(data, dict):
+        got = "it is empty" if data is None else f"it holds a {type(data).__name__}, not a mapping of keys"
+        raise KvprobeError(f"{entry} is not a family file ({got}); {HINT}")
+    fam = validate(FamilyFile, data, entry, "family file", HINT)
+    return Family(**{**fam.model_dump(exclude_unset=True), "model_types": tuple(fam.model_types)})
+
+
+def _family_of(name: str, entry, builtin: bool) -> str:
+    return f"the built-in family {name!r}" if builtin else f"the family {name!r} of {entry}"
 
 
 @functools.cache
 def families() -> dict[str, Family]:
     """All family data files, by family name: the package's, then those in ``$KVPROBE_FAMILY_PATH``
-    (a user's own family without editing kvprobe; :func:`families.cache_clear` rereads them)."""
-    out = {}
-    for entry in _family_files():
-        try:
-            data = yaml.safe_load(entry.read_text())
-            data["model_types"] = tuple(data["model_types"])
-            out[data["family"]] = Family(**data)
-        except (yaml.YAMLError, TypeError, KeyError) as exc:
-            raise KvprobeError(f"{entry} is not a family file ({type(exc).__name__}: {exc}); "
-                               f"see src/kvprobe/models/families/llama.yaml for the keys") from None
+    (a user's own family without editing kvprobe; :func:`families.cache_clear` rereads them).
+
+    Each file is checked (:func:`read_family`). A user file may add a family, not replace one: a
+    family name or a model type that an earlier file already has is refused in one line naming
+    both files."""
+    out: dict[str, Family] = {}
+    where: dict[str, tuple] = {}  # family name -> (file, builtin)
+    for entry, builtin in _family_files():
+        fam = read_family(entry)
+        if fam.family in out:
+            raise KvprobeError(f"{entry} names {_family_of(fam.family, *where[fam.family])}; a family file may add "
+                               f"a family, not replace one: give it another family name")
+        for other in out.values():
+            taken = sorted(set(fam.model_types) & set(other.model_types))
+            if taken:
+                raise KvprobeError(f"{entry} claims model type {taken[0]!r}, which "
+                                   f"{_family_of(other.family, *where[other.family])} already reads; a model type "
+                                   f"belongs to one family")
+        out[fam.family] = fam
+        where[fam.family] = (entry, builtin)
     return out
 
 

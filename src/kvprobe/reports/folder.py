@@ -16,16 +16,31 @@ import yaml
 
 from kvprobe.errors import KvprobeError
 from kvprobe.editor.topk import TOPK_FILE
+from kvprobe.policy import READS
 from kvprobe.datasets.tokens import TOKENS
-from kvprobe.results import (ATTENTION, COMPOSE, CONCENTRATION, EDITS, KNOCKOUT, LINEAR, LOCALITY, MANIFEST,
-                             RANKING_RULE, RUN_MANIFEST_KEYS, SERVING, SERVING_MANIFEST, VALIDITY, json_object,
-                             read_table)
+from kvprobe.results import (ATTENTION, COMPOSE, COMPOSE_MANIFEST, CONCENTRATION, EDITS, KNOCKOUT, LINEAR, LOCALITY,
+                             MANIFEST, RANKING_RULE, RUN_MANIFEST_KEYS, SERVING, SERVING_MANIFEST, VALIDITY,
+                             json_object, read_table)
+from kvprobe.schema import check_version
 
 # Time to first token, full prefill against a composed cache: one row per (block_tokens, timed repeat),
 # columns block_tokens, full_s, compose_s, speedup (= full_s / compose_s); optional: model, seam.
 TTFT = "ttft.parquet"
-COMPOSE_MANIFEST = "compose_manifest.json"
 TABLES = (VALIDITY, LOCALITY, CONCENTRATION, ATTENTION, KNOCKOUT, LINEAR, EDITS, COMPOSE, TOKENS, TTFT, SERVING)
+# The columns the report's sections and compare's summaries read unconditionally: a table with rows that
+# lacks one is refused in one line naming it (read_table; the kinds of all columns are checked there too).
+# The compose and serving sections say in the page which of their columns a table lacks.
+NEEDS = {
+    VALIDITY: ("case_id", "control", "valid"),
+    EDITS: ("case_id", "strategy", "ranking", "k", "cot", "agree", "correct", "recovery", "oracle_flip", "cosine",
+            "kl", "frac_recomputed", "wall_s", "control", "valid"),
+    LOCALITY: ("case_id", "layer", "position", "region", "metric", "value", "k", "oracle_flip"),
+    CONCENTRATION: ("case_id", "metric", "value", "n_tokens"),
+    ATTENTION: ("case_id", "layer", "head", "region", "value", "n_keys"),
+    KNOCKOUT: ("case_id", "layer", "head", "metric", "value", "cache", "set", "k", "band"),
+    LINEAR: ("layer", "region", "value", "stream", "label", "n"),
+    TOKENS: ("case_id", "position", "token", "token_new", "kind", "region"),
+}
 KNOWN = (MANIFEST, COMPOSE_MANIFEST, SERVING_MANIFEST, TOPK_FILE, RANKING_RULE) + TABLES
 
 
@@ -96,9 +111,12 @@ def load_run(folder: Path | str, tables: tuple[str, ...] = ()) -> Run:
         except yaml.YAMLError:
             topk = None
         run.topk = topk if isinstance(topk, dict) else {}  # shown verbatim; its figures only when it parses
+        version = run.topk.get("schema_version")
+        if isinstance(version, int) and not isinstance(version, bool) and version > max(READS):  # a newer kvprobe's
+            check_version(folder / TOPK_FILE, version, "schema_version", READS, "")
     for name in dict.fromkeys(TABLES + tables):
         if (folder / name).exists():
-            run.tables[name] = read_table(folder / name)
+            run.tables[name] = read_table(folder / name, NEEDS.get(name, ()))
     run.label = _label(run)
     return run
 

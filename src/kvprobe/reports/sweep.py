@@ -20,7 +20,6 @@ gives the same bytes: no timestamps, no absolute paths, SVGs with a fixed hash s
 from __future__ import annotations
 
 import io
-import json
 import math
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from kvprobe.errors import KvprobeError
 from kvprobe.reports.figures import PALETTE, SVG_RC, clean_svg, new_figure
 from kvprobe.reports.stats import RULE as STAT_RULE
 from kvprobe.reports.stats import Stat, nanfloat
-from kvprobe.results import SWEEP_MANIFEST, SWEEP_SUMMARY, atomic_write
+from kvprobe.results import SWEEP_MANIFEST, SWEEP_SUMMARY, atomic_write, json_object, read_table
 from kvprobe.sweep.summary import (
     FIELD_ABOVE,
     NOTES_BELOW,
@@ -60,6 +59,12 @@ KINDS = ("kind:newline", "kind:punct", "kind:section", "kind:word")
 ERRATA = {"erratum": "placed before the question", "erratum_turn": "sent as a new turn after the prompt"}
 
 
+# the summary columns the page reads unconditionally (read_table refuses a summary without one)
+NEEDS = ("cell", "layout", "filler_tokens", "downstream_tokens", "field_style", "rule_style", "measure", "name",
+         "n_cases", "n_valid", "case_s", "agree", "agree_lo", "agree_hi", "n_agree", "recovery", "recovery_lo",
+         "recovery_hi", "n_recovery")
+
+
 def render_sweep_report(folder: Path | str) -> Path:
     """Write ``<folder>/report.html`` (atomically) from the sweep folder's files; returns its path.
     A folder that holds no sweep (or unreadable sweep files) is a :class:`KvprobeError`."""
@@ -83,18 +88,8 @@ def load_sweep(folder: Path) -> tuple[dict, pd.DataFrame]:
     if not path.exists():
         raise KvprobeError(f"{folder} holds no {SWEEP_MANIFEST}: it is not a finished `kvprobe sweep` folder "
                            f"(run `kvprobe sweep --out {folder}` to finish it)")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise KvprobeError(f"cannot read {path} ({exc}); rerun `kvprobe sweep --out {folder}` to rewrite it") from None
-    if not isinstance(manifest, dict) or "cells" not in manifest:
-        raise KvprobeError(f"{path} is not a sweep manifest (no 'cells'); rerun `kvprobe sweep --out {folder}`")
-    try:
-        summary = pd.read_parquet(folder / SWEEP_SUMMARY)
-    except (OSError, ValueError) as exc:
-        raise KvprobeError(f"cannot read {folder / SWEEP_SUMMARY} ({exc}); rerun `kvprobe sweep --out {folder}` "
-                           f"to rewrite it") from None
-    return manifest, summary
+    manifest = json_object(path, ("cells",), "a `kvprobe sweep` manifest")  # a newer kvprobe's is refused too
+    return manifest, read_table(folder / SWEEP_SUMMARY, NEEDS)
 
 
 def _env() -> Environment:

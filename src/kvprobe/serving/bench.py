@@ -27,7 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvprobe.datasets import ERRATUM_TEMPLATES
 from kvprobe.errors import EnvironmentProblem, KvprobeError, UsageError
-from kvprobe.results import SERVING, SERVING_MANIFEST, CaseStore, atomic_write_json, claim_identity, refuse_foreign
+from kvprobe.results import (SERVING, SERVING_MANIFEST, CaseStore, atomic_write_json, claim_identity, json_object,
+                             refuse_foreign, version_entry)
 from kvprobe.serving import measure
 from kvprobe.serving.client import (Completion, ServerGone, get_json, scrape_metrics, served_models,
                                     stream_completion)
@@ -223,8 +224,8 @@ class Bench:
             version = get_json(f"{self.url}/version").get("version")
         except (OSError, ValueError):
             version = None
-        return {"command": "serve-bench", "config": self.cfg.model_dump(), "unique_salt": self.salt,
-                "url": self.url, **self.facts,
+        return {**version_entry(SERVING_MANIFEST), "command": "serve-bench", "config": self.cfg.model_dump(),
+                "unique_salt": self.salt, "url": self.url, **self.facts,
                 "served_model": self.served, "server_version": version, "block_size": self.block_size,
                 "prefix_cache_counters": self.has_counters,
                 "policy": {"domain": p.case.domain, "field": p.field, "base_value": p.base_value,
@@ -235,17 +236,13 @@ class Bench:
                            "example_erratum": p.text(self.tok, erratum_value=p.value_set[-1])[-400:]}}
 
     def _check_resume(self) -> None:
-        """A folder with a manifest is resumed: same configuration, same unique values (its salt)."""
-        import json
-
+        """A folder with a manifest is resumed: same configuration, same unique values (its salt). A
+        manifest that is not one, or is from a newer kvprobe, is refused (:func:`json_object`)."""
         path = self.out / SERVING_MANIFEST
         refuse_foreign(self.out, SERVING_MANIFEST)  # another command's folder, or files nobody claimed
         if not path.exists():
             return
-        try:
-            manifest = json.loads(path.read_text())
-        except (OSError, ValueError):
-            manifest = {}
+        manifest = json_object(path, what="a `kvprobe serve-bench` manifest")
         self.salt = manifest.get("unique_salt", self.salt)
         if manifest.get("config") != self.cfg.model_dump():
             raise UsageError(f"{self.out} holds a serving run with another configuration; give another --out "

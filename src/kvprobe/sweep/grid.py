@@ -36,7 +36,8 @@ from kvprobe.defaults import (
 from kvprobe.editor.strategies import check_policies, parse_strategy
 from kvprobe.errors import CheckFailed
 from kvprobe.config import check_cases
-from kvprobe.results import SWEEP, SWEEP_CLAIM, SWEEP_MANIFEST, SWEEP_SUMMARY, ResultsFolder, atomic_write_parquet
+from kvprobe.results import (SWEEP, SWEEP_CLAIM, SWEEP_MANIFEST, SWEEP_SUMMARY, ResultsFolder, atomic_write_parquet,
+                             version_entry)
 from kvprobe.sweep.measure import measure_case
 from kvprobe.sweep.summary import (
     CELL_KEYS,
@@ -193,7 +194,7 @@ def run_sweep(cfg: SweepConfig, lm, out: Path | str, progress: Callable[[str, in
     atomic_write_parquet(summary, out / SWEEP_SUMMARY)
     verdicts = cell_verdicts(summary)
     manifest = folder.manifest(
-        lm, kvprobe_sweep=1, config=cfg.model_dump(), cells=record,
+        lm, **version_entry(SWEEP_MANIFEST), config=cfg.model_dump(), cells=record,
         cell_verdicts=dict(zip(verdicts.cell, verdicts.verdict)), layout_verdicts=layout_verdicts(verdicts),
         verdict_rule=RULE, wall_s={"cells": round(sum(c["wall_s"] for c in record.values()), 1),
                                    "this_invocation": round(time.perf_counter() - t_start, 1)})
