@@ -307,9 +307,11 @@ def _decide(res: FieldResult, seq: Sequence, candidates: list[str], final: bool 
             res.reason = (f"{done[0]} is established (lower bound {seq.lower(k, n):.3f}); cheaper candidates "
                           f"were still open after {res.pairs} pairs; {relevance}")
         else:
+            out = [s for s in candidates if verdicts[s] == "ruled out"]
             res.chosen, res.verdict = "oracle", "budget"
-            res.reason = (f"no candidate established or ruled out within {res.pairs} pairs (the budget): the "
-                          f"oracle until more pairs are measured; {relevance}")
+            res.reason = (f"no candidate established within {res.pairs} pairs (the budget; "
+                          + (f"ruled out: {', '.join(out)}; " if out else "")
+                          + f"still open: {', '.join(live)}): the oracle until more pairs are measured; {relevance}")
     return False
 
 
