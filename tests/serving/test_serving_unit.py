@@ -376,6 +376,22 @@ def test_a_dying_server_leaves_finished_runs_and_resumes(byte_bench, fake_vllm, 
     assert fresh.completions < 1 + 2 * len(ARMS) * 6 + 12 + 4  # the two finished runs were not redone
 
 
+def test_a_resume_against_another_served_setup_is_refused(byte_bench, fake_vllm, tmp_path):
+    """A serve-bench folder records what its rows came from (the weights and tokenizer of --model,
+    the server's name for it, its vLLM version and KV block size): resuming it against a server with
+    another block size is refused in one line, and the finished runs stay as they were (main eac58e9
+    compared the settings only, and would have mixed the two servers' rows)."""
+    out = tmp_path / "run"
+    with pytest.raises(KvprobeError):
+        byte_bench.Bench(_cfg(byte_bench), fake_vllm(die_after=1 + 6 + 12 + 3).url, out).run()
+    done = sorted(p.name for p in (out / "parts").rglob("*.parquet"))
+    inputs = json.loads((out / "inputs.json").read_text())
+    assert inputs["model"]["block_size"] == 32 and inputs["model"]["weights"].startswith("gguf:")
+    with pytest.raises(KvprobeError, match=r"another model \(block_size differ"):
+        byte_bench.Bench(_cfg(byte_bench), fake_vllm(block=16).url, out).run()
+    assert sorted(p.name for p in (out / "parts").rglob("*.parquet")) == done
+
+
 def test_fire_respects_the_time_bound(fake_vllm):
     from kvprobe.serving.bench import fire
 
