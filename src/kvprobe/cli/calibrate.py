@@ -78,26 +78,26 @@ def calibrate(spec: Path = typer.Argument(..., help="a calibration spec (YAML: t
 
 
 def print_table(cal, model: str, threshold: float) -> None:
-    def share(v, lo, hi, k=None, n=None):
-        if n == 0 or v != v:
-            return "-"
-        return f"{v:.2f} [{lo:.2f}, {hi:.2f}]" + (f" {k}/{n}" if n is not None else "")
+    """Per field and candidate: each share as ``k/n [lo, hi]`` (the confidence sequence's
+    interval), spurious flips with the upper end of theirs, cost, and the verdict; ``*`` marks the
+    repair the policy gives the field."""
+    def share(value, lo, hi, n) -> str:
+        return "-" if not n else f"{round(value * n)}/{n} [{lo:.2f}, {hi:.2f}]"
 
     table = Table(title=f"per-field calibration: {model} (threshold {threshold:g}; intervals: confidence sequence)")
     for col in ("field", "relevance", "pairs", "strategy", "agrees with oracle", "on changed pairs",
-                "spurious flips", "recomputed", "ms to decision", "verdict"):
+                "spurious flips", "recomputed", "ms (oracle)", "verdict"):
         table.add_column(col, justify="left" if col in ("field", "strategy", "relevance", "verdict") else "right")
     for res in cal.fields:
         rel = cal.policy["fields"][res.name]["relevance"]
-        rows = cal.summary[cal.summary.field == res.name]
-        for i, r in enumerate(rows.itertuples()):
+        for i, r in enumerate(cal.summary[cal.summary.field == res.name].itertuples()):
             flips = "-" if not r.n_unchanged else f"{r.spurious_flips}/{r.n_unchanged} (<= {r.flip_hi:.2f})"
+            ms = "-" if r.to_decision_ms != r.to_decision_ms else f"{r.to_decision_ms:.0f} ({r.oracle_ms:.0f})"
             table.add_row(res.name if i == 0 else "", rel if i == 0 else "", str(res.pairs) if i == 0 else "",
-                          ("* " if r.chosen else "  ") + r.strategy, share(r.agree, r.agree_lo, r.agree_hi),
-                          share(r.agree_changed, r.agree_changed_lo, r.agree_changed_hi, n=None)
-                          if r.n_changed else "-", flips,
-                          f"{r.frac_recomputed:.1%}" if r.frac_recomputed == r.frac_recomputed else "-",
-                          f"{r.to_decision_ms:.0f}" if r.to_decision_ms == r.to_decision_ms else "-", r.verdict)
+                          ("* " if r.chosen else "  ") + r.strategy, share(r.agree, r.agree_lo, r.agree_hi, r.pairs),
+                          share(r.agree_changed, r.agree_changed_lo, r.agree_changed_hi, r.n_changed), flips,
+                          f"{r.frac_recomputed:.1%}" if r.frac_recomputed == r.frac_recomputed else "-", ms,
+                          r.verdict)
     console.print(table)
     for res in cal.fields:
         console.print(f"{res.name}: {res.chosen} ({res.verdict}): {res.reason}", highlight=False, markup=False)
