@@ -357,7 +357,7 @@ def diagnose_case(lm, case: EditCase, new_values: list[str], strategies: list[st
             raise KvprobeError(f"the edit of {case.field!r} from {case.old_value!r} to {value!r} changes no token "
                                f"id under {lm.info.spec}'s tokenizer (the two values tokenise alike"
                                + (f", e.g. both to {unk}" if unk else "") + "): there is nothing the model can "
-                               f"see to repair; give values its tokenizer tells apart")
+                               "see to repair; give values its tokenizer tells apart")
         edits.append((value, a))
     check_policies(parsed, lm)
     on_step = start(len(edits) * len(parsed))

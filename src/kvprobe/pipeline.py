@@ -24,7 +24,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvprobe.composer.gate import run_compose, summarize_compose
-from kvprobe.config import ALL_PROBES, RunConfig, check_cases, load_cases, settled  # noqa: F401 (re-exported)
+from kvprobe.config import RunConfig, check_cases, load_cases, settled
 from kvprobe.datasets import Skip, align, require_answers
 from kvprobe.datasets.tokens import case_tokens
 from kvprobe.editor.causal_rule import fit_rule
