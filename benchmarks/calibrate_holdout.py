@@ -17,20 +17,12 @@ import argparse
 import time
 
 import pandas as pd
-from scipy.stats import binomtest
-
+from common import share
 import kvprobe
 from kvprobe.calibrate.engine import _pairs, load_spec, measure_pair
 from kvprobe.hardware import cpu_line
 
 FIXED = ("field_only", "erratum_turn:neutral", "erratum_turn")
-
-
-def share(k: int, n: int) -> str:
-    if not n:
-        return "- (n=0)"
-    ci = binomtest(k, n).proportion_ci(0.95, method="exact")
-    return f"{k}/{n} [{ci.low:.2f}, {ci.high:.2f}]"
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from kvprobe.datasets import DOMAINS, align, generate
+from kvprobe.metrics import proportion_ci
 
 
 def long_case(tokenizer, target_tokens: int, seed: int = 0, form: str = "auto"):
@@ -29,3 +30,12 @@ def timed(fn, repeat: int = 1):
         out = fn()
         best = min(best, time.perf_counter() - start)
     return out, best
+
+
+def share(k: int, n: int) -> str:
+    """``k/n [lo, hi]``: a share with its 95% Clopper-Pearson interval (valid for a fixed number of
+    trials, as a benchmark runs), or ``- (n=0)``."""
+    if not n:
+        return "- (n=0)"
+    lo, hi = proportion_ci(k, n, method="exact")
+    return f"{k}/{n} [{lo:.2f}, {hi:.2f}]"

@@ -14,21 +14,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from scipy.stats import binomtest
-
+from common import share
 import kvprobe
 from kvprobe.calibrate.engine import _pairs, load_spec, measure_pair
 from kvprobe.hardware import cpu_line
 
 WORDINGS = ("erratum_turn:neutral", "erratum_turn", "erratum_turn:short")
 TOYS = ("toy-llama", "toy-qwen2", "toy-qwen3", "toy-gemma2", "toy-gemma3", "toy-mistral")
-
-
-def share(k: int, n: int) -> str:
-    if not n:
-        return "- (n=0)"
-    ci = binomtest(k, n).proportion_ci(0.95, method="exact")
-    return f"{k}/{n} = {k / n:.2f} [{ci.low:.2f}, {ci.high:.2f}]"
 
 
 def main() -> None:
@@ -42,7 +34,7 @@ def main() -> None:
     spec = load_spec(args.spec)
     print(cpu_line(), flush=True)
     print(f"spec {args.spec}, {args.pairs} pairs per field, seed {args.seed}, dtype {args.dtype}\n")
-    print("| model | field | changed | wording | spurious flips (unchanged pairs) [95% CI] | agreement (changed pairs) |")
+    print("| model | field | changed | wording | spurious flips (unchanged pairs) [95% CI] | agreement (changed pairs) [95% CI] |")
     print("|---|---|---:|---|---|---|")
     for model in args.models.split(","):
         lm = kvprobe.load(model, dtype=args.dtype)

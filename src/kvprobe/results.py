@@ -406,9 +406,6 @@ class CaseStore:
     def _path(self, key: str) -> Path:
         return self.parts / f"{part_name(key)}.parquet"
 
-    def done(self, key: str) -> bool:
-        return self._path(key).exists()
-
     def save(self, key: str, df: pd.DataFrame) -> Path:
         return atomic_write_parquet(df, self._path(key))
 

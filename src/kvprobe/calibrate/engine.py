@@ -276,7 +276,7 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
         results.append(res)
     rows = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     summary = summarize(rows, results, seq, change_seq, candidates)
-    policy = policy_of(lm, spec, results, summary, seq, candidates, max_pairs)
+    policy = policy_of(lm, spec, results, summary, seq, change_seq, candidates, max_pairs)
     return Calibration(rows, summary, policy, results)
 
 
@@ -368,13 +368,12 @@ def relevance_of(res: FieldResult, change_seq: Sequence) -> str:
 
 
 def policy_of(lm, spec: CalibrationSpec, results: list[FieldResult], summary: pd.DataFrame, seq: Sequence,
-              candidates: list[str], max_pairs: int) -> dict:
+              change_seq: Sequence, candidates: list[str], max_pairs: int) -> dict:
     """The per-field policy (kvprobe.field_policy reads it)."""
     from kvprobe.field_policy import SCHEMA, method_line
     from kvprobe.results import MODEL_KEYS
 
     fp = lm.fingerprint()
-    change_seq = Sequence(threshold=seq.threshold)
     fields = {}
     for res in results:
         rows = summary[summary.field == res.name]
