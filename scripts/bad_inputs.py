@@ -278,7 +278,7 @@ def _prepare_schemas(s: Path) -> None:
              "agreement-5": ("strategies", 0, "agreement", 5.0), "n-neg": ("strategies", 0, "n", -7),
              "k-star-eight": ("k_star", "eight"), "rule-string": ("ranking_rule", "causal"),
              "training-ten": ("ranking_rule", "n_training_cases", "ten"),
-             "telepathy": ("strategies", 0, "spec", "telepathy"), "newer": ("schema_version", 4)}
+             "telepathy": ("strategies", 0, "spec", "telepathy"), "newer": ("schema_version", 5)}
     for name, (*keys, value) in edits.items():
         cfg = yaml.safe_load(good)
         target = cfg

@@ -4,13 +4,15 @@ the checks every case passes before any forward pass (:func:`check_cases`)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvprobe.datasets import ERRATUM, ERRATUM_TEMPLATES, Skip, align, resolve_dataset
-from kvprobe.defaults import DEFAULT_FORM, DEFAULT_MIN_FLIP, DEFAULT_MODEL, DEFAULT_N, DEFAULT_STRATEGIES, checked_form
+from kvprobe.defaults import (DEFAULT_BUDGET, DEFAULT_FORM, DEFAULT_MIN_FLIP, DEFAULT_MODEL, DEFAULT_STRATEGIES,
+                              DEFAULT_THRESHOLD, checked_form)
 from kvprobe.editor.rankings import RANKINGS
 from kvprobe.editor.strategies import Strategy, parse_strategy
 from kvprobe.errors import KvprobeError
@@ -26,7 +28,9 @@ class RunConfig(BaseModel):
 
     model: str = DEFAULT_MODEL
     dataset: str = "default"
-    n: int = Field(DEFAULT_N, ge=1)
+    n: int | None = Field(None, ge=1)  # None: sized by the repair rule (see sizing()), at most `budget` cases
+    budget: int = Field(DEFAULT_BUDGET, ge=1)  # a sized run's most cases (generated, or read from the JSONL)
+    threshold: float = Field(DEFAULT_THRESHOLD, gt=0, lt=1)  # what the headline, K* and topk.yaml establish at
     seed: int = 0
     form: str = DEFAULT_FORM
     few_shot: int = Field(0, ge=0)
@@ -94,6 +98,23 @@ class RunConfig(BaseModel):
             raise ValueError(f"unknown ranking(s) {bad}; accepted: {', '.join(RANKINGS)}")
         return v
 
+    def sizing(self) -> dict | None:
+        """A sized run's targets (None for a run of ``n`` cases): the valid decision cases and valid
+        negative controls that let each leg of the repair rule (:mod:`kvprobe.repair_rule`) and K*
+        (on the held-out share of the decision cases) be established at ``threshold``, all
+        succeeding. Cases are checked in order until both targets are met or ``budget`` cases are
+        checked; the stop depends on validity alone, never on an edit's outcome, so every interval
+        stays a fixed-sample interval."""
+        if self.n is not None:
+            return None
+        from kvprobe.repair_rule import cases_to_establish
+
+        need = cases_to_establish(self.threshold) or self.budget
+        decision = need if not self.probes or "locality" not in self.probes else math.ceil(need / self.holdout)
+        controls = need if self.max_controls is None else min(need, self.max_controls)
+        return {"threshold": self.threshold, "per_leg": need, "valid_decision": decision, "valid_controls": controls,
+                "budget": self.budget}
+
     def edit_strategies(self) -> list[Strategy]:
         """The configured strategies, typed; an erratum given without a template gets ``erratum_template``."""
         return [parse_strategy(s, template=self.erratum_template) for s in self.strategies]
@@ -155,7 +176,7 @@ def settled(previous: dict) -> dict | None:
 def load_cases(cfg: RunConfig) -> list:
     """The run's dataset: generated (``default``) or read from a JSONL file, checked line by line."""
     kwargs = {"few_shot": cfg.few_shot} if cfg.dataset == "default" else {}
-    return resolve_dataset(cfg.dataset, n=cfg.n, seed=cfg.seed, **kwargs)
+    return resolve_dataset(cfg.dataset, n=cfg.n or cfg.budget, seed=cfg.seed, **kwargs)
 
 
 def check_cases(lm, aligned: list, strategies: list[Strategy], cot: list[int], form: str) -> None:

@@ -2,7 +2,9 @@
 importable without torch (``kvprobe --help`` must not load a model stack)."""
 
 DEFAULT_MODEL = "toy-qwen2"  # the bundled default: ships in the package, decides by the field
-DEFAULT_N = 40
+DEFAULT_N = 40  # kvprobe edit and datasets check; kvprobe run sizes itself (RunConfig.sizing)
+DEFAULT_BUDGET = 600  # a sized run's most cases
+DEFAULT_THRESHOLD = 0.95  # what a run's repair, K* and topk.yaml are established at
 DEFAULT_MIN_FLIP = 1.0  # logits: a case whose oracle flip is smaller gets no recovery ratio
 FORMS = ("auto", "chat", "raw")  # how a case becomes a prompt (see kvprobe.datasets.render)
 DEFAULT_FORM = "auto"  # chat where the tokenizer has a template, else raw

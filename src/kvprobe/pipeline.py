@@ -119,6 +119,7 @@ class Selection:
     n_valid_controls: int = 0
     rank_ids: list[str] = field(default_factory=list)  # learn the causal ranking rule on these
     held_ids: list[str] = field(default_factory=list)  # and judge it (the K sweep) on these
+    sizing: dict | None = None  # a sized run's targets and how they were met (RunConfig.sizing)
 
     @property
     def valid(self) -> list:
@@ -164,7 +165,7 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None, cases: list | N
     manifest = write_manifest(cfg, lm, sel, compose_summary, folder, {**stages.wall, "total": time.perf_counter() - t0},
                               run_profile(stages, sel, out))
     if rule is not None:
-        export_topk(out)
+        export_topk(out, threshold=cfg.threshold)
     return manifest
 
 
@@ -196,9 +197,13 @@ def select_cases(cfg: RunConfig, lm, sel: Selection, folder: ResultsFolder, stag
             pairs.drop(a.case.case_id)  # never probed nor edited
         return pd.DataFrame([row])
 
+    sizing = cfg.sizing()
     tick = stages.progress("validity", len(sel.aligned))
-    validity = stages.run("validity", lambda: folder.parts("validity").map(
-        sel.aligned.items(), check, tick, stages.case_s.setdefault("validity", {})))
+    times = stages.case_s.setdefault("validity", {})
+    if sizing is None:
+        validity = stages.run("validity", lambda: folder.parts("validity").map(sel.aligned.items(), check, tick, times))
+    else:
+        validity = stages.run("validity", lambda: _sized_validity(cfg, sel, folder, check, tick, times, sizing))
     out = folder.path
     atomic_write_parquet(validity, out / VALIDITY)
     sel.validity = validity
@@ -216,6 +221,39 @@ def select_cases(cfg: RunConfig, lm, sel: Selection, folder: ResultsFolder, stag
     pairs.keep(sel.valid_ids + sel.control_ids)
     atomic_write_parquet(case_tokens(lm, sel.valid + sel.controls), out / TOKENS)
     return sel
+
+
+def _sized_validity(cfg: RunConfig, sel: Selection, folder: ResultsFolder, check, tick, times: dict,
+                    sizing: dict) -> pd.DataFrame:
+    """Validity of the aligned cases in dataset order until the sized run's targets are met
+    (:meth:`RunConfig.sizing`): a decision case once enough valid decision cases are found, and a
+    control once enough valid controls are, is not checked. Records in ``sizing`` how many were
+    checked and why the run stopped there."""
+    want = {False: sizing["valid_decision"], True: sizing["valid_controls"]}
+    got = {False: 0, True: 0}
+    checked = []
+    for key, a in sel.aligned.items():
+        control = bool(a.case.control)
+        if got[control] >= want[control]:
+            if got[not control] >= want[not control]:
+                break
+            continue
+        df = next(iter(folder.parts("validity").each([(key, a)], check, times)))[1]
+        checked.append(df)
+        tick()
+        row = df.iloc[0]
+        got[control] += bool(row.valid if cfg.valid_only or control else True)
+    reached = all(got[c] >= want[c] for c in want)
+    sizing |= {"checked": len(checked), "valid_decision_found": got[False], "valid_controls_found": got[True],
+               "stopped": "targets reached" if reached else "budget ran out"}
+    if not reached:
+        short = [f"{got[c]} valid {'controls' if c else 'decision cases'} of the {want[c]} needed"
+                 for c in (False, True) if got[c] < want[c]]
+        sizing["reason"] = (f"the budget ran out: all {len(sel.aligned)} aligned cases of {cfg.budget} were checked and "
+                            f"found {' and '.join(short)}; a larger --budget (or a model that answers more cases "
+                            f"right) can establish more")
+    sel.sizing = sizing
+    return pd.concat(checked, ignore_index=True) if checked else pd.DataFrame()
 
 
 def learn_rule(cfg: RunConfig, locality: pd.DataFrame, sel: Selection, out: Path):
@@ -306,7 +344,8 @@ def write_manifest(cfg: RunConfig, lm, sel: Selection, compose_summary: list[dic
     """manifest.json: config, model fingerprint, versions, counts and skip reasons, wall time per
     stage, and the run's cost in prefill-equivalents (:func:`run_profile`)."""
     validity = sel.validity
-    counts = {"cases": len(sel.cases), "aligned": len(sel.aligned), "probed_decision": len(sel.valid_ids),
+    counts = {"cases": len(sel.cases), "aligned": len(sel.aligned), "checked": len(validity),
+              "probed_decision": len(sel.valid_ids),
               "valid_decision": int((validity.valid & ~validity.control).sum()),
               "valid_control": sel.n_valid_controls, "edited_controls": len(sel.control_ids),
               "ranking_cases": len(sel.rank_ids), "held_out_cases": len(sel.held_ids),
@@ -316,7 +355,7 @@ def write_manifest(cfg: RunConfig, lm, sel: Selection, compose_summary: list[dic
         n_heads=lm.adapter.n_heads, n_kv_heads=lm.adapter.n_kv_heads, seed=cfg.seed, counts=counts,
         skipped=[{"case_id": s.case_id, "reason": s.reason} for s in sel.skipped],
         invalid_reasons=_invalid_reasons(validity), validity=summarize(validity) if len(validity) else {},
-        compose=compose_summary, tables=sorted(p.name for p in folder.path.glob("*.parquet")),
+        compose=compose_summary, sizing=sel.sizing, tables=sorted(p.name for p in folder.path.glob("*.parquet")),
         wall_s={k: round(v, 2) for k, v in wall_s.items()}, prefill_equivalents=profile or {})
     folder.write(MANIFEST, manifest)
     return manifest

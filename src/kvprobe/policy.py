@@ -2,7 +2,7 @@
 model, K*, and the causal ranking rule, so code outside ``kvprobe run`` can choose a repair.
 
     policy = kvprobe.policy.load("results/qwen2.5-0.5b/topk.yaml", lm)   # refuses another model's file
-    policy.cheapest()          # the cheapest strategy that met the file's threshold, or None
+    policy.cheapest()          # the cheapest strategy established at the file's threshold, or None
     policy.ranking()           # the learned causal rule, usable as an EditContext ranking
 
 ``kvprobe export-topk`` writes the file (:mod:`kvprobe.editor.topk`) from a ``kvprobe run`` folder
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Literal
 import yaml
 from pydantic import model_validator
 
+from kvprobe import repair_rule
 from kvprobe.errors import KvprobeError
 from kvprobe.schema import (CI, Count, File, Finite, Number, Seconds, Share, ShareOrNaN, Text, check_version,
                             validate)
@@ -32,15 +33,14 @@ from kvprobe.schema import (CI, Count, File, Finite, Number, Seconds, Share, Sha
 if TYPE_CHECKING:
     from kvprobe.datasets import AlignedCase
 
-SCHEMA_VERSION = 3  # 2: the strategies section, a sweep folder exports too; 3: K* only where established
-READS = (2, 3)  # a schema-2 K* was chosen on its point estimate; its k_star_status is absent (None)
+SCHEMA_VERSION = 4  # 2: the strategies section, a sweep folder exports too; 3: K* only where established;
+#                    4: the one repair rule (both legs), and per field its kind and repair (``fields``)
+READS = (2, 3, 4)  # a schema-2 K* was chosen on its point estimate; its k_star_status is absent (None)
 TOPK_FILE = "topk.yaml"
 HASHES = {"config_hash": "config", "weights_hash": "weights", "tokenizer_hash": "tokenizer"}  # what identifies a model
 KEYS = ("model", "threshold", "k_star", "erratum_template", "strategies")  # besides schema_version
 EVIDENCE_KEYS = ("spec", "agreement", "agreement_ci95", "n", "control_invariance", "n_controls", "frac_recomputed",
                  "wall_s")
-MIN_CASES = 20  # :meth:`Policy.cheapest` trusts no agreement measured on fewer decision cases
-NOT_CHOSEN = ("stale", "oracle", "hoist", "auto")  # strategy names :meth:`Policy.cheapest` never picks
 EXPORT = "`kvprobe export-topk <results folder>`"
 
 
@@ -133,6 +133,16 @@ class Policy:
     erratum_template: str | None
     reason: str | None = None
     k_star_status: str | None = None
+    fields: dict | None = None  # schema 4: field -> {"kind", "repair", "cases"}
+
+    def field_repair(self, name: str) -> tuple[str, str] | None:
+        """(repair, why) for field ``name`` where the file establishes one for its kind, else None."""
+        entry = (self.fields or {}).get(name)
+        if not entry or not entry.get("repair"):
+            return None
+        leg = "agreement" if entry["kind"] == "decides" else "the decision kept on negative controls"
+        return entry["repair"], (f"policy {self.path}: {name} is a field that {'decides' if entry['kind'] == 'decides' else 'must not matter'}; "
+                                 f"{entry['repair']} is the cheapest repair established on {leg} at {self.threshold:g}")
 
     def ranking(self) -> RankingRule:
         """The learned causal ranking rule (usable as an EditContext ranking, e.g. for
@@ -144,24 +154,36 @@ class Policy:
                                f"`kvprobe run` folder with the locality probe")
         return RankingRule({str(k): float(v) for k, v in rule["scores"].items()}, int(rule["n_training_cases"]))
 
-    def cheapest(self, threshold: float | None = None, min_cases: int = MIN_CASES) -> Evidence | None:
-        """The measured strategy that recomputes the least while it agrees with the oracle well enough.
-
-        Candidates: every strategy in the file except ``stale`` and ``oracle`` (the two ends),
-        ``hoist`` (it needs a rewritten prompt) and ``auto`` (any spec starting with "auto": a
-        chooser, not a repair). One qualifies when its ``agreement`` is at least ``threshold``
-        (default: the file's) and its ``control_invariance`` is None (no controls measured) or at
-        least ``threshold`` too, and its agreement was measured on at least ``min_cases`` decision
-        cases (:data:`MIN_CASES`: one disagreement in 20 is already 0.95). Of those, the lowest
-        ``frac_recomputed`` wins; ties go to the higher agreement, then to the earlier entry. None
-        when no strategy qualifies.
+    def cheapest(self, threshold: float | None = None) -> Evidence | None:
+        """The cheapest measured strategy established by :data:`kvprobe.repair_rule.RULE` at
+        ``threshold`` (default: the file's): its agreement over ``n`` decision cases and its
+        ``control_invariance`` over ``n_controls`` controls each have a Wilson 95% lower bound at or
+        above it (a strategy measured without controls is never established). Candidates: every
+        strategy in the file but :data:`kvprobe.repair_rule.NOT_REPAIRS` (stale and oracle, the two
+        ends; hoist, a rewritten prompt; auto, a chooser).
+        The least ``frac_recomputed`` wins, then the least time; None when none is established.
         """
         threshold = self.threshold if threshold is None else threshold
-        qualified = [e for e in self.strategies
-                     if e.name not in NOT_CHOSEN and not e.spec.startswith("auto") and e.frac_recomputed is not None
-                     and e.agreement is not None and e.agreement >= threshold and e.n >= min_cases
-                     and (e.control_invariance is None or e.control_invariance >= threshold)]
-        return min(qualified, key=lambda e: (e.frac_recomputed, -e.agreement), default=None)
+        evidence = {e.spec: e for e in self.strategies if repair_rule.is_repair(e.spec) and e.frac_recomputed is not None}
+        pick, _ = repair_rule.choose([candidate(e) for e in evidence.values()], threshold)
+        return evidence[pick.name] if pick else None
+
+    def why_none(self, threshold: float | None = None) -> str:
+        """Why :meth:`cheapest` found nothing: the strategy nearest to being established, and its weak leg."""
+        threshold = self.threshold if threshold is None else threshold
+        near = repair_rule.closest([candidate(e) for e in self.strategies if repair_rule.is_repair(e.spec)])
+        return (f"no measured strategy is established at {threshold:g}"
+                + (f"; the closest, {near.name}: {near.why_not(threshold)}" if near else ""))
+
+
+def candidate(e: Evidence) -> repair_rule.Candidate:
+    """A topk.yaml evidence entry as the repair rule reads it (a case it could not repair counts
+    against its agreement)."""
+    time_s = (e.wall_s or 0) + (e.decide_s or 0) if e.wall_s is not None else None
+    agree = repair_rule.Leg.of(e.agreement, e.n)
+    agree = repair_rule.Leg(agree.k, agree.n + e.n_errors)
+    return repair_rule.Candidate(e.spec, agree,
+                                 repair_rule.Leg.of(e.control_invariance, e.n_controls), e.frac_recomputed, time_s)
 
 
 # -- the file's schema: every key and what it accepts (kvprobe.schema's types) -------------------
@@ -216,10 +238,18 @@ class EvidenceEntry(File):
     n_errors: Count = 0
 
 
+class FieldEntry(File):
+    """One ``fields`` entry (schema 4): the field's kind in the run, and the repair established for it."""
+
+    kind: Literal["decides", "must not matter", "mixed"]
+    repair: str | None
+    cases: Count
+
+
 class TopkFile(File):
     """A ``topk.yaml`` (schema 2 or 3; :mod:`kvprobe.editor.topk` writes it): every key it may hold."""
 
-    schema_version: Literal[2, 3]
+    schema_version: Literal[2, 3, 4]
     model: ModelEntry
     threshold: Share
     judged_on: str | None = None
@@ -236,6 +266,7 @@ class TopkFile(File):
     n_cases: Count | None = None
     reason: str | None = None
     strategies: list[EvidenceEntry]
+    fields: dict[str, FieldEntry] | None = None  # schema 4
 
     @model_validator(mode="after")
     def _k_star_matches_its_status(self):
@@ -283,7 +314,8 @@ def load(path: Path | str, lm) -> Policy:
         check_model(path, model, lm.fingerprint())
     return Policy(path=path, model=model, threshold=cfg.threshold, k_star=cfg.k_star, rule=data.get("ranking_rule"),
                   strategies=tuple(Evidence(**e.model_dump()) for e in cfg.strategies),
-                  erratum_template=cfg.erratum_template, reason=cfg.reason, k_star_status=cfg.k_star_status)
+                  erratum_template=cfg.erratum_template, reason=cfg.reason, k_star_status=cfg.k_star_status,
+                  fields={k: v.model_dump() for k, v in (cfg.fields or {}).items()} or None)
 
 
 def check_model(path: Path, stored: dict, mine: dict) -> None:

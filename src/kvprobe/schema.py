@@ -150,7 +150,8 @@ def check_version(path, version: Any, key: str, reads: tuple[int, ...], hint: st
     older one (``hint`` says how to rewrite it), and anything else is not a version."""
     if isinstance(version, int) and not isinstance(version, bool) and version in reads:
         return version
-    accepted = " or ".join(map(str, reads))
+    names = list(map(str, reads))
+    accepted = ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
     if isinstance(version, int) and not isinstance(version, bool) and version > max(reads):
         raise KvprobeError(f"{path} was written by a newer kvprobe ({key} {version}; this kvprobe reads {accepted}); "
                            f"upgrade kvprobe to read it")

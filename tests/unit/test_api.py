@@ -178,17 +178,20 @@ def test_the_api_docs_snippet_runs_as_written():
     exec(compile(block, "docs/api.md", "exec"), {})
 
 
-def policy_of(*evidence) -> "kvprobe.policy.Policy":
+def policy_of(*evidence, fields=None) -> "kvprobe.policy.Policy":
+    """A policy from (spec, agreement, n, cost[, kept, n_controls]) entries (every control kept, as many
+    controls as decision cases, unless given)."""
     from kvprobe.policy import Evidence, Policy
 
-    entries = tuple(Evidence(spec, agreement, None, n, None, 0, cost, None) for spec, agreement, n, cost in evidence)
+    entries = tuple(Evidence(spec, agreement, None, n, *(rest or (1.0, n)), cost, None)
+                    for spec, agreement, n, cost, *rest in evidence)
     return Policy(path="measured.yaml", model={}, threshold=0.95, k_star=None, rule=None, strategies=entries,
-                  erratum_template=None)
+                  erratum_template=None, fields=fields)
 
 
 def test_auto_takes_a_policys_field_only_as_it_is(toy, cases):
     case = next(c for c in cases if c.control)  # field-only does not move a control: no check would keep it
-    ctx = context_of(toy, case, policy=policy_of(("field_only", 1.0, 40, 0.01), ("erratum_turn", 1.0, 40, 0.2)))
+    ctx = context_of(toy, case, policy=policy_of(("field_only", 1.0, 80, 0.01), ("erratum_turn", 1.0, 80, 0.2)))
     fixed = ctx.edit(**{case.field: case.new_value})
     plain = ctx.edit(strategy="field_only", **{case.field: case.new_value})
     assert fixed.chose == "field_only" and fixed.reason.startswith("policy measured.yaml: field_only: agreement 1.00")
@@ -198,9 +201,23 @@ def test_auto_takes_a_policys_field_only_as_it_is(toy, cases):
 
 def test_auto_falls_back_to_the_oracle_when_nothing_measured_qualifies(toy, cases):
     case = next(c for c in cases if c.control)
-    too_few = policy_of(("field_only", 1.0, 19, 0.01), ("erratum_turn", 0.9, 40, 0.2))  # 19 < MIN_CASES; 0.9 < 0.95
+    # 19 of 19 reaches a lower bound of 0.83; erratum_turn agrees on 80 of 80 but flips 40 of 80 controls
+    too_few = policy_of(("field_only", 1.0, 19, 0.01), ("erratum_turn", 1.0, 80, 0.2, 0.5, 80))
     fixed = context_of(toy, case, policy=too_few).edit(**{case.field: case.new_value})
-    assert fixed.chose == "oracle" and "no measured strategy reaches 0.95" in fixed.reason
+    assert fixed.chose == "oracle" and "no measured strategy is established at 0.95" in fixed.reason
+
+
+def test_auto_repairs_a_field_by_the_repair_established_for_its_kind(toy, cases):
+    """topk.yaml's ``fields``: a field whose edits were negative controls gets the repair established on
+    keeping the decision (field_only), with no runtime check, even where no single repair is established."""
+    case = next(c for c in cases if c.control)
+    fields = {case.field: {"kind": "must not matter", "repair": "field_only", "cases": 80}}
+    policy = policy_of(("field_only", 0.1, 80, 0.01), ("erratum_turn", 1.0, 80, 0.2, 0.5, 80), fields=fields)
+    assert policy.cheapest() is None
+    fixed = context_of(toy, case, policy=policy).edit(**{case.field: case.new_value})
+    plain = context_of(toy, case).edit(strategy="field_only", **{case.field: case.new_value})
+    assert fixed.chose == "field_only" and "must not matter" in fixed.reason
+    assert fixed.recomputed == plain.recomputed  # no check ran
 
 
 def test_two_threads_on_one_context_get_what_a_sequential_run_gets(toy, cases):
@@ -243,8 +260,8 @@ def test_a_policy_path_is_loaded_and_a_bad_one_refused_in_one_line(toy, cases, t
     case = next(c for c in cases if c.control)
     cfg = {"schema_version": 3, "model": toy.fingerprint(), "threshold": 0.95, "erratum_template": None,
            "k_star": None, "k_star_status": "no ranking", "reason": "a sweep measures no causal ranking",
-           "strategies": [{"spec": "field_only", "agreement": 1.0, "agreement_ci95": [0.91, 1.0], "n": 40,
-                           "control_invariance": None, "n_controls": 0, "frac_recomputed": 0.01, "wall_s": None}]}
+           "strategies": [{"spec": "field_only", "agreement": 1.0, "agreement_ci95": [0.95, 1.0], "n": 80,
+                           "control_invariance": 1.0, "n_controls": 80, "frac_recomputed": 0.01, "wall_s": None}]}
     path = tmp_path / "topk.yaml"
     path.write_text(yaml.safe_dump(cfg))
     fixed = context_of(toy, case, policy=path).edit(**{case.field: case.new_value})

@@ -47,8 +47,8 @@ def _row(case_id: str, strategy: str, agree, frac: float, *, control: bool = Fal
 
 
 def run_edits() -> pd.DataFrame:
-    """Held-out decision cases h1-h4, controls c1-c2; rows that must not count: the ranking case r1,
-    the invalid case h5 and a chain-of-thought row."""
+    """Held-out decision cases h1-h4, controls c1-c2; rows that must not count: the ranking case r1
+    under the causal ranking learned from it, the invalid case h5 and a chain-of-thought row."""
     rows = []
     for c in HELD + CONTROLS:
         ctl = c in CONTROLS
@@ -60,7 +60,7 @@ def run_edits() -> pd.DataFrame:
     wall = {"h1": 0.1, "h2": 0.2, "h3": 0.3, "h4": 0.4, "c1": 0.5, "c2": 0.6}
     rows += [_row(c, "erratum_turn", c != "c2", 0.1, control=c in CONTROLS, wall=wall[c]) for c in HELD + CONTROLS]
     rows += [_row(c, "selective:2:causal", True, 0.12, ranking="causal", k=2) for c in HELD]
-    rows += [_row("r1", s, False, 0.9) for s in ("field_only", "erratum_turn", "cacheblend:0.15")]
+    rows += [_row("r1", "selective:2:causal", False, 0.9, ranking="causal", k=2)]
     rows += [_row("h5", s, False, 0.9, valid=False) for s in ("field_only", "erratum_turn", "selective:2:causal")]
     rows += [_row("h1", s, False, 0.9, cot=8) for s in ("field_only", "erratum_turn")]
     return pd.DataFrame(rows)
@@ -115,7 +115,7 @@ def entry(cfg: dict, spec: str) -> dict:
 def test_run_folder_export_keeps_topk_and_adds_the_strategies(lm, tmp_path):
     path = export_topk(run_folder(tmp_path / "run", lm.fingerprint()))
     cfg = yaml.safe_load(path.read_text())
-    assert cfg["schema_version"] == 3 and cfg["model"] == lm.fingerprint()
+    assert cfg["schema_version"] == 4 and cfg["model"] == lm.fingerprint()
     assert list(cfg)[:11] == ["schema_version", "model", "threshold", "judged_on", "ranking_rule", "recompute",
                               "token_kinds_at_top", "erratum_template", "k_sweep", "k_star", "k_star_status"]
     # K=2 agrees on all 4 held-out cases (valid, no CoT), but [0.51, 1.00] does not reach 0.95: no K*
@@ -127,7 +127,7 @@ def test_run_folder_export_keeps_topk_and_adds_the_strategies(lm, tmp_path):
     assert cfg["erratum_template"] == ERRATUM_TEMPLATES["short"]
     assert [e["spec"] for e in cfg["strategies"]] == ["stale", "oracle", "cacheblend:0.15", "auto", "hoist",
                                                       "field_only", "erratum_turn", "selective:2:causal"]
-    turn = entry(cfg, "erratum_turn")  # r1 (ranking half), h5 (invalid) and the CoT rows left out
+    turn = entry(cfg, "erratum_turn")  # h5 (invalid) and the CoT rows left out
     assert turn == {"spec": "erratum_turn", "agreement": 1.0, "agreement_ci95": [0.5101, 1.0], "n": 4,
                     "control_invariance": 0.5, "n_controls": 2, "frac_recomputed": 0.1,
                     "wall_s": pytest.approx(0.35), "decide_s": pytest.approx(0.175), "n_errors": 0}
@@ -136,7 +136,7 @@ def test_run_folder_export_keeps_topk_and_adds_the_strategies(lm, tmp_path):
     assert field["control_invariance"] == 1.0 and field["frac_recomputed"] == pytest.approx(0.05)
     stale = entry(cfg, "stale")
     assert stale["agreement"] == 0.0 and stale["control_invariance"] == 1.0
-    selective = entry(cfg, "selective:2:causal")
+    selective = entry(cfg, "selective:2:causal")  # r1 taught the causal rule: left out
     assert selective["n"] == 4 and selective["n_controls"] == 0 and selective["control_invariance"] is None
     hoist = entry(cfg, "hoist")  # its error row counts as an error, not as a disagreement
     assert hoist["n"] == 3 and hoist["n_errors"] == 1 and hoist["agreement"] == 1.0
@@ -146,7 +146,7 @@ def test_sweep_folder_export(lm, tmp_path):
     path = export_topk(sweep_folder(tmp_path / "sweep", lm.fingerprint()))
     assert path == tmp_path / "sweep" / "topk.yaml"
     cfg = yaml.safe_load(path.read_text())
-    assert cfg["schema_version"] == 3 and cfg["model"] == lm.fingerprint()
+    assert cfg["schema_version"] == 4 and cfg["model"] == lm.fingerprint()
     assert cfg["k_star"] is None and cfg["k_star_status"] == "no ranking" and cfg["reason"] == NO_RANKING and "ranking_rule" not in cfg
     assert cfg["erratum_template"] == ERRATUM_TEMPLATES["paper"]  # the one the erratum strategies share
     assert [e["spec"] for e in cfg["strategies"]] == ["stale", "oracle", "erratum", "erratum_turn"]
@@ -197,11 +197,17 @@ def test_load_cheapest_and_ranking(lm, tmp_path):
     assert turn.agreement_ci95 == (0.5101, 1.0) and turn.name == "erratum_turn"
     assert turn.describe() == ("erratum_turn: agreement 1.00 [0.51, 1.00] on 4 cases, controls 1/2, "
                                "recomputed 0.10")
-    # 0.95: erratum_turn changes a control's answer; auto and hoist are never chosen; selective beats cacheblend
-    assert policy.cheapest() is None  # 4 decision cases: under MIN_CASES, nothing is trusted
-    assert policy.cheapest(min_cases=4).spec == "selective:2:causal"
-    assert policy.cheapest(0.5, min_cases=4).spec == "field_only"  # 0.75 agreement, controls kept, 0.05 recomputed
-    assert policy.cheapest(1.01, min_cases=1) is None
+    # the one repair rule: both legs need a Wilson lower bound at the threshold; 4 decision cases and 2
+    # controls reach 0.51 and 0.34 at best, so nothing is established at 0.95
+    assert policy.cheapest() is None
+    assert "no measured strategy is established at 0.95" in policy.why_none()
+    # at 0.3: erratum_turn changes a control's answer (1/2: [0.09, 0.91]) yet passes; auto and hoist are never
+    # chosen; field_only (3/4 [0.30, 0.95], controls 2/2) is the cheapest
+    assert policy.cheapest(0.3).spec == "field_only"
+    # at 0.34: field_only's 0.30 falls short; selective:2:causal has no control (its second leg is open), so
+    # cacheblend (4/4 [0.51, 1.00], 2/2 [0.34, 1.00]) is the cheapest established
+    assert policy.cheapest(0.34).spec == "cacheblend:0.15"
+    assert policy.cheapest(1.01) is None
     rule = policy.ranking()
     assert isinstance(rule, RankingRule) and rule.n_cases == 3 and dict(rule.scores) == SCORES
     a = SimpleNamespace(kinds={4: "word", 5: "newline", 6: "word"}, field=(2, 4), decision_pos=8, downstream=(4, 7))
@@ -212,8 +218,9 @@ def test_load_cheapest_and_ranking(lm, tmp_path):
 
 def test_sweep_policy_has_evidence_but_no_ranking(lm, tmp_path):
     policy = P.load(export_topk(sweep_folder(tmp_path / "sweep", lm.fingerprint())), lm)
-    assert policy.rule is None and policy.cheapest(min_cases=3).spec == "erratum_turn"  # 3/3, controls kept, 0.25
-    assert policy.cheapest(1.01, min_cases=1) is None
+    assert policy.rule is None and policy.cheapest() is None  # 3 of 4 (its error counts against it) at best
+    assert policy.cheapest(0.3).spec == "erratum_turn"  # 3/4 [0.30, 0.95], controls 2/2 [0.34, 1.00], 0.25
+    assert policy.cheapest(1.01) is None
     with pytest.raises(KvprobeError, match=f"no learned causal ranking rule \\({NO_RANKING}\\)"):
         policy.ranking()
 
@@ -248,7 +255,7 @@ def test_bad_files_are_refused_in_one_line(lm, tmp_path):
     refused(broken, lm, "is not valid YAML (line")
     old = tmp_path / "old.yaml"
     old.write_text(yaml.safe_dump({"schema_version": 1, "k_star": 8, "erratum_template": "x"}))
-    refused(old, lm, "has schema_version 1, this kvprobe reads 2 or 3", "`kvprobe export-topk <results folder>` rewrites")
+    refused(old, lm, "has schema_version 1, this kvprobe reads 2, 3 or 4", "`kvprobe export-topk <results folder>` rewrites")
     other = tmp_path / "other.yaml"
     other.write_text("a: 1\n")
     refused(other, lm, "is not a topk.yaml (no schema_version)")
@@ -344,15 +351,15 @@ def test_a_negative_threshold_no_longer_lets_auto_choose_a_failed_strategy(lm, t
     refused(path, lm, "threshold is -1; accepted: a number from 0 to 1")
     cfg["threshold"] = 0.95  # the same evidence under a valid threshold: cacheblend is not chosen
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    assert P.load(path, lm).cheapest(min_cases=4).spec != "cacheblend:0.15"
+    assert P.load(path, lm).cheapest(0.3).spec != "cacheblend:0.15"
 
 
 def test_a_newer_schema_version_says_so(lm, tmp_path):
     path = export_topk(run_folder(tmp_path / "run", lm.fingerprint()))
-    path.write_text(path.read_text().replace("schema_version: 3", "schema_version: 4", 1))
-    refused(path, lm, "was written by a newer kvprobe (schema_version 4; this kvprobe reads 2 or 3)")
-    path.write_text(path.read_text().replace("schema_version: 4", "schema_version: '3'", 1))
-    refused(path, lm, "has schema_version '3', not a version this kvprobe reads (2 or 3)")
+    path.write_text(path.read_text().replace("schema_version: 4", "schema_version: 5", 1))
+    refused(path, lm, "was written by a newer kvprobe (schema_version 5; this kvprobe reads 2, 3 or 4)")
+    path.write_text(path.read_text().replace("schema_version: 5", "schema_version: '3'", 1))
+    refused(path, lm, "has schema_version '3', not a version this kvprobe reads (2, 3 or 4)")
 
 
 def test_a_schema_2_file_still_loads(lm, tmp_path):

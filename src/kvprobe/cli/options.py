@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from kvprobe.defaults import DEFAULT_FORM, DEFAULT_MIN_FLIP, DEFAULT_MODEL, DEFAULT_N, DEFAULT_STRATEGIES, FORMS
+from kvprobe.defaults import (DEFAULT_BUDGET, DEFAULT_FORM, DEFAULT_MIN_FLIP, DEFAULT_MODEL, DEFAULT_N, DEFAULT_STRATEGIES,
+                              DEFAULT_THRESHOLD, FORMS)
 
 # The built-in strategies' grammar (kvprobe.editor.strategies.spec_grammar() on the built-in
 # registry; tests/cli/test_conventions.py checks it is current). A strategy registered by a plugin
@@ -106,7 +107,8 @@ def out_option(what: str):
 
 Out = Annotated[Path | None, typer.Option(show_default=False, help=_out_help("default results/<command>/<model>"))]
 
-DEFAULTS = {"model": DEFAULT_MODEL, "n": DEFAULT_N, "min_flip": DEFAULT_MIN_FLIP,
+DEFAULTS = {"model": DEFAULT_MODEL, "n": DEFAULT_N, "budget": DEFAULT_BUDGET, "threshold": DEFAULT_THRESHOLD,
+            "min_flip": DEFAULT_MIN_FLIP,
             "strategies": ",".join(DEFAULT_STRATEGIES), "form": DEFAULT_FORM}
 
 

@@ -17,7 +17,14 @@ from kvprobe.errors import UsageError
 
 
 def run(ctx: typer.Context,
-        model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "default", n: opt.N = opt.DEFAULTS["n"],
+        model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "default",
+        n: int | None = typer.Option(None, min=1, show_default="sized", help="cases (generated: how many; a JSONL "
+                                     "file: at most this many); by default the run sizes itself: cases are checked "
+                                     "in order until each leg of the repair rule and K* can be established at "
+                                     "--threshold, at most --budget"),
+        budget: int = typer.Option(opt.DEFAULTS["budget"], min=1, help="a sized run's most cases"),
+        threshold: float = typer.Option(opt.DEFAULTS["threshold"], min=0.5, max=0.999,
+                                        help="what the repair, K* and topk.yaml are established at"),
         seed: opt.Seed = 0, form: opt.Form = opt.DEFAULTS["form"], few_shot: opt.FewShot = 0,
         probes: str = typer.Option(opt.PROBES.replace(" ", ""), help="comma-separated probes to run"),
         strategies: opt.Strategies = opt.DEFAULTS["strategies"], cot: opt.Cot = "0",
@@ -47,11 +54,11 @@ def run(ctx: typer.Context,
     from kvprobe.pipeline import run_folder
     from kvprobe.results import check_case_ids
 
-    given = {name for name in ("model", "dataset", "n", "seed", "form", "few_shot", "probes", "strategies", "cot",
+    given = {name for name in ("model", "dataset", "n", "budget", "threshold", "seed", "form", "few_shot", "probes", "strategies", "cot",
                                "min_flip", "valid_only", "max_controls", "compose", "dtype", "device",
                                "device_map")
              if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)}
-    values = {"model": model, "dataset": dataset, "n": n, "seed": seed, "form": form, "few_shot": few_shot,
+    values = {"model": model, "dataset": dataset, "n": n, "budget": budget, "threshold": threshold, "seed": seed, "form": form, "few_shot": few_shot,
               "probes": opt.parse_csv(probes), "strategies": opt.parse_csv(strategies), "cot": opt.parse_ints(cot, "--cot"),
               "min_flip": min_flip, "valid_only": valid_only, "max_controls": max_controls, "compose": compose,
               "dtype": dtype, "device": device, "device_map": device_map}
@@ -78,7 +85,8 @@ def run(ctx: typer.Context,
 
         manifest = run_pipeline(cfg, out, progress=progress, lm=lm, cases=cases)
     c = manifest["counts"]
-    console.print(f"{cfg.model}: {c['valid_decision']} valid decision cases of {c['aligned']} aligned "
+    console.print(f"{cfg.model}: {c['valid_decision']} valid decision cases of {c.get('checked', c['aligned'])} checked "
+                  f"({c['aligned']} aligned) "
                   f"({c['skipped']} skipped, {c['invalid']} invalid; {c['probed_decision']} probed); results in {out} "
                   f"({manifest['wall_s']['total']:.0f} s)")
     _print_headline(out, cfg)

@@ -400,8 +400,9 @@ class Auto(Strategy):
     """Choose the repair per edit, from evidence, and say which and why (``Edited.chose``, ``note``).
 
     1. **The measured policy** (``POLICY``, a ``topk.yaml`` of this model, or the context's
-       policy): the cheapest strategy whose held-out agreement and control invariance reach the
-       file's threshold (:meth:`kvprobe.policy.Policy.cheapest`). If that is ``field_only``, it is
+       policy): the cheapest strategy established by the one repair rule
+       (:mod:`kvprobe.repair_rule`: agreement and control invariance, each with a lower bound at the
+       file's threshold; :meth:`kvprobe.policy.Policy.cheapest`). If that is ``field_only``, it is
        used as it is. Without a policy the fallback is :data:`AUTO_FALLBACK`; with a policy in
        which nothing qualifies, ``oracle``.
     2. **The runtime check**, otherwise: recompute the field only and read the decision. If it
@@ -433,11 +434,13 @@ class Auto(Strategy):
             return dataclasses.replace(chosen.apply(ctx), chose=chosen.spec, note=why)
         if policy is None:
             fallback, why = parse_strategy(AUTO_FALLBACK), "no policy for this model; kvprobe's default repair"
+        elif (per_field := policy.field_repair(ctx.a.case.field)) is not None:  # established for this field's kind
+            chosen = parse_strategy(per_field[0])
+            return dataclasses.replace(chosen.apply(ctx), chose=chosen.spec, note=per_field[1])
         else:
             safe = policy.cheapest()
             fallback = parse_strategy(safe.spec) if safe else Oracle()
-            why = (f"policy {policy.path}: {safe.describe()}" if safe else
-                   f"policy {policy.path}: no measured strategy reaches {policy.threshold:g}")
+            why = f"policy {policy.path}: {safe.describe() if safe else policy.why_none()}"
         if isinstance(fallback, FieldOnly):
             return dataclasses.replace(fallback.apply(ctx), chose=fallback.spec, note=why)
         stale, _ = decision_of(ctx.lm, ctx.a, Stale().apply(ctx))
@@ -472,6 +475,13 @@ def check_policy_specs(policy: policies.Policy) -> policies.Policy:
         except KvprobeError as exc:
             raise KvprobeError(f"{policy.path} is not a valid topk.yaml: strategies entry {i + 1} names a strategy "
                                f"this kvprobe does not know ({exc}); {policies.EXPORT} rewrites it") from None
+    for name, entry in (policy.fields or {}).items():
+        try:
+            if entry.get("repair"):
+                parse_strategy(entry["repair"])
+        except KvprobeError as exc:
+            raise KvprobeError(f"{policy.path} is not a valid topk.yaml: fields.{name}.repair names a strategy this "
+                               f"kvprobe does not know ({exc}); {policies.EXPORT} rewrites it") from None
     return policy
 
 

@@ -20,7 +20,6 @@ section (every valid case of every cell) and ``k_star: null``, since a sweep lea
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from pathlib import Path
 
@@ -29,8 +28,9 @@ import yaml
 
 from kvprobe.editor.strategies import Erratum, parse_strategy
 from kvprobe.errors import KvprobeError
-from kvprobe.metrics import mean_ci, proportion, proportion_ci, wilson_ci
+from kvprobe.metrics import mean_ci, proportion, wilson_ci
 from kvprobe.policy import SCHEMA_VERSION, TOPK_FILE
+from kvprobe.repair_rule import Candidate, Leg, cases_at_rate, cases_to_establish, is_repair
 from kvprobe.results import (
     EDITS,
     MANIFEST,
@@ -47,7 +47,6 @@ from kvprobe.results import (
 __all__ = ["SCHEMA_VERSION", "TOPK_FILE", "cases_to_establish", "export_topk", "held_out_decisions", "k_star_fields",
            "k_star_for", "k_sweep", "kinds_of_top", "strategy_evidence", "topk_config", "write_topk"]
 NO_RANKING = "a sweep measures no causal ranking"
-Z95 = 1.959963984540054  # the normal quantile of a two-sided 95% interval
 
 
 def k_sweep(edits: pd.DataFrame, ranking: str = "causal") -> pd.DataFrame:
@@ -67,17 +66,6 @@ def k_sweep(edits: pd.DataFrame, ranking: str = "causal") -> pd.DataFrame:
                      "recovery": rec[0], "recovery_lo": rec[1], "recovery_hi": rec[2],
                      "frac_recomputed": float(g.frac_recomputed.mean())})
     return pd.DataFrame(rows).sort_values("k") if rows else pd.DataFrame(rows)
-
-
-def cases_to_establish(threshold: float) -> int | None:
-    """The fewest cases, all agreeing, whose Wilson 95% lower bound n / (n + z^2) reaches ``threshold``
-    (None for a threshold of 1, which no sample reaches)."""
-    if threshold >= 1:
-        return None
-    n = max(1, math.ceil(threshold * Z95 ** 2 / (1 - threshold)) - 1)
-    while proportion_ci(n, n)[0] < threshold:  # the closed form, checked against scipy's interval
-        n += 1
-    return n
 
 
 def held_out_decisions(edits: pd.DataFrame, held_out_cases) -> pd.DataFrame:
@@ -111,7 +99,11 @@ def k_star_fields(sweep: pd.DataFrame, threshold: float, max_downstream: int) ->
     if len(reached):
         best = reached.iloc[0]
         need = cases_to_establish(threshold)
-        more = f"about {need} held-out cases, all agreeing, would be needed" if need else "no sample size would do"
+        at_rate = cases_at_rate(float(best.agreement), threshold) if best.agreement < 1 else None
+        more = ("no sample size would do" if not need else
+                f"about {need} held-out cases, all agreeing, would be needed" if best.agreement >= 1 else
+                f"at its observed rate about {at_rate} held-out cases would be needed" if at_rate else
+                f"its observed rate is too close to the threshold for any practical sample")
         return {"k_star": None, "k_star_status": "not established", "k_candidate": int(best.k), **evidence(best),
                 "reason": (f"K={int(best.k)}{' (the field alone)' if best.k == 0 else ''} agrees "
                            f"{best.agreement:.2f} [{best.agreement_lo:.2f}, "
@@ -223,11 +215,35 @@ def export_topk(results_dir: Path | str, out: Path | str | None = None, threshol
         raise KvprobeError(f"{results_dir / RANKING_RULE} is not a ranking rule as `kvprobe run` writes it "
                            f"(held_out_cases must be a list, rule an object); rerun `kvprobe run`")
     held_out = edits.case_id.isin(set(rule["held_out_cases"]))
-    # every valid control: none is used to learn the ranking
-    evidence = strategy_evidence(edits[(edits.cot == 0) & (held_out | edits.control.astype(bool))])
+    # every valid case (as the run's headline), but a causal ranking only on cases it did not learn from
+    rows = edits[(edits.cot == 0) & (held_out | edits.control.astype(bool) | edits.ranking.ne("causal"))]
+    evidence = strategy_evidence(rows)
     cfg = topk_config(held_out_decisions(edits, rule["held_out_cases"]), manifest["model"], rule["rule"], rule["kinds_at_top"], rule["max_downstream"],
                       config["erratum_template"], threshold, manifest.get("n_layers"), evidence)
+    cfg["fields"] = field_repairs(rows, evidence, threshold)
     return write_topk(cfg, out or results_dir / TOPK_FILE)
+
+
+def field_repairs(rows: pd.DataFrame, evidence: list[dict], threshold: float) -> dict:
+    """Per edited field: its kind (``decides``: its edits are decision cases; ``must not matter``: negative
+    controls) and the cheapest repair the one rule (:mod:`kvprobe.repair_rule`) establishes on that
+    kind's leg alone (agreement, or the decision kept), or null. ``auto`` reads it per field."""
+    cands = [Candidate(e["spec"], Leg.of(e["agreement"], e["n"]), Leg.of(e["control_invariance"], e["n_controls"]),
+                       e["frac_recomputed"], e["wall_s"]) for e in evidence
+             if is_repair(e["spec"]) and e["frac_recomputed"] is not None]
+    best = {}
+    for kind, leg in (("decides", "agreement"), ("must not matter", "kept")):
+        ok = sorted((c for c in cands if getattr(c, leg).status(threshold) == "established"), key=Candidate.cost)
+        best[kind] = ok[0].name if ok else None
+    if "field" not in rows:  # a table written without fields: nothing per field
+        return {}
+    valid = rows[rows.valid.astype(bool)]
+    out = {}
+    for name, g in valid.groupby("field", sort=True):
+        control = g.control.astype(bool)
+        kind = "mixed" if control.any() and not control.all() else ("must not matter" if control.all() else "decides")
+        out[str(name)] = {"kind": kind, "repair": best.get(kind), "cases": int(g.case_id.nunique())}
+    return out
 
 
 def export_sweep(folder: Path, out: Path | str | None = None, threshold: float = 0.95) -> Path:

@@ -4,9 +4,12 @@ run``, ``summary.json`` and ``kvprobe compare``: a pure function of the folder's
 1. **Where the decision lives** (``where``): the field-only patch's recovery and its verdict by the
    rule of :mod:`kvprobe.sweep.summary` (its 95% CI below 1/3: downstream notes; above 2/3: the
    field; between: mixed), with the downstream span's and the top notes' recovery beside it.
-2. **The repair to use** (``repair``): the cheapest strategy (share of tokens recomputed, then time
-   to the decision) whose agreement with the oracle has a Wilson 95% lower bound at or above the
-   threshold; when none has, ``recommended`` is null and ``closest`` the one with the highest bound.
+2. **The repair to use** (``repair``): the one rule of :mod:`kvprobe.repair_rule`: the cheapest
+   strategy established on both legs (agreement with the oracle on the decision cases, the decision
+   kept on the negative controls, each a Wilson 95% lower bound at or above the threshold); when
+   none is, ``recommended`` is null, ``closest`` the nearest and ``why_not`` its weak leg.
+   ``per_field`` names the cheapest repair established on each leg alone: for the fields that
+   decide, and for the fields that must not matter.
 3. **K\\*** (``k_star``): established only where its lower bound reaches the threshold
    (:func:`kvprobe.editor.topk.k_star_for`), recomputed from the folder's tables.
 4. **The composition gate** (``composition``), where the run composed: re-rotated agreement at the
@@ -28,24 +31,22 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvprobe.defaults import GATE_SEAM, GATE_THRESHOLD
-from kvprobe.editor.topk import cases_to_establish, held_out_decisions, k_star_for, k_sweep
+from kvprobe.defaults import DEFAULT_THRESHOLD, GATE_SEAM, GATE_THRESHOLD
+from kvprobe.editor.topk import held_out_decisions, k_star_for, k_sweep
 from kvprobe.metrics import summarize_edits, valid_case_ids
 from kvprobe.reports.folder import Run, load_run
+from kvprobe.repair_rule import RULE, Candidate, Leg, cases_to_establish, choose, closest, is_repair
 from kvprobe.reports.stats import Stat
 from kvprobe.results import COMPOSE, EDITS, LOCALITY, VALIDITY, atomic_write_json
 from kvprobe.sweep.summary import FIELD_ABOVE, NOTES_BELOW, verdict
 
 SUMMARY = "summary.json"
 SCHEMA = Path(__file__).with_name("summary.schema.json")
-SCHEMA_VERSION = 1
-DEFAULT_THRESHOLD = 0.95  # as `kvprobe export-topk`
+SCHEMA_VERSION = 2  # 2: the repair rule needs both legs; per_field, why_not; the run's sizing
 WHERE = {"takes notes": "downstream notes", "reads the field": "the field", "mixed": "mixed",
          "inconclusive": "inconclusive"}
 TOP_K = 8  # the top-notes figure quoted beside the verdict (the middle K when the run has no 8)
-NOT_REPAIRS = ("stale", "oracle")  # the baselines: never recommended
-REPAIR_RULE = ("the cheapest strategy (share of tokens recomputed, then time to the decision) whose agreement with "
-               "the oracle has a Wilson 95% lower bound at or above the threshold")
+REPAIR_RULE = RULE  # kvprobe.repair_rule: the one rule of the headline, topk.yaml and auto
 WHERE_RULE = (f"the field-only patch's recovery: its 95% CI below {NOTES_BELOW:.2f} means downstream notes, above "
               f"{FIELD_ABOVE:.2f} the field, between or straddling mixed; under 10 cases inconclusive")
 
@@ -185,33 +186,58 @@ def where(run: Run) -> dict | None:
     return out
 
 
+def _candidate(r: dict) -> Candidate:
+    """A strategy row as :mod:`kvprobe.repair_rule` reads it (a case it could not repair counts against it)."""
+    a, c = r["agreement"] or {}, r["control_invariance"] or {}
+    agree = Leg.of(a.get("value"), a.get("n"))
+    ms = r["to_decision_ms"] if r["to_decision_ms"] is not None else r["repair_ms"]
+    return Candidate(r["strategy"], Leg(agree.k, agree.n + int(r.get("errors") or 0)), Leg.of(c.get("value"), c.get("n")),
+                     r["frac_recomputed"], ms / 1000 if ms is not None else None)
+
+
 def repair(rows: list[dict], threshold: float) -> dict | None:
-    """The recommended repair by :data:`REPAIR_RULE` among ``rows`` (:func:`strategy_rows`)."""
+    """The recommended repair by :data:`REPAIR_RULE` among ``rows`` (:func:`strategy_rows`), and per
+    kind of field: the cheapest repair established on agreement alone (for the fields that decide)
+    and on controls kept alone (for the fields that must not matter)."""
     tried = [r for r in rows
-             if r["strategy"] not in NOT_REPAIRS and r["agreement"] and r["agreement"]["lo"] is not None]
+             if is_repair(r["strategy"]) and r["agreement"] and r["agreement"]["lo"] is not None]
     if not tried:
         return None
-    cost = lambda r: (r["frac_recomputed"] if r["frac_recomputed"] is not None else math.inf,  # noqa: E731
-                      r["to_decision_ms"] if r["to_decision_ms"] is not None else math.inf)
-    ok = sorted((r for r in tried if r["agreement"]["lo"] >= threshold), key=cost)
-    pick = ok[0] if ok else None
-    closest = max(tried, key=lambda r: (r["agreement"]["lo"], -cost(r)[0]))
+    cands = {r["strategy"]: _candidate(r) for r in tried}
+    pick, ok = choose(list(cands.values()), threshold)
+    near = pick or closest(list(cands.values()))
+    r = next(x for x in tried if x["strategy"] == near.name)
     need = cases_to_establish(threshold)
-    out = {"rule": REPAIR_RULE, "threshold": threshold, "recommended": pick["strategy"] if pick else None,
-           "closest": None if pick else closest["strategy"], "qualifying": [r["strategy"] for r in ok],
-           "cases_to_establish": need}
-    r = pick or closest
+    by_kind = {}
+    for kind, leg in (("decision_fields", "agreement"), ("control_fields", "kept")):
+        est = sorted((c for c in cands.values() if getattr(c, leg).status(threshold) == "established"),
+                     key=Candidate.cost)
+        by_kind[kind] = est[0].name if est else None
+    out = {"rule": REPAIR_RULE, "threshold": threshold, "recommended": pick.name if pick else None,
+           "closest": None if pick else near.name, "qualifying": [c.name for c in ok], "cases_to_establish": need,
+           "per_field": by_kind, "why_not": None if pick else near.why_not(threshold)}
     out |= {k: r[k] for k in ("agreement", "control_invariance", "frac_recomputed", "repair_ms", "to_decision_ms")}
     cost_text = _cost_text(r)
+    dec, ctl = by_kind["decision_fields"], by_kind["control_fields"]
     if pick:
-        out["sentence"] = (f"Repair with {pick['strategy']}: agreement {stat_text(r['agreement'])}, {cost_text}"
-                           f"{_controls_text(r)}.")
+        out["sentence"] = (f"Repair with {pick.name}: agreement {stat_text(r['agreement'])}, {cost_text}"
+                           f"{_controls_text(r)}; established on both legs at {threshold:g}.")
+    elif dec and ctl:
+        d, c = (next(x for x in tried if x["strategy"] == name) for name in (dec, ctl))
+        out["sentence"] = (f"Repair per kind of field (no single repair is established on both legs at {threshold:g}): "
+                           f"for the fields that decide, {dec} (agreement {stat_text(d['agreement'])}, {_cost_text(d)}); "
+                           f"for the fields that must not matter, {ctl} (it keeps the decision on "
+                           f"{stat_text(c['control_invariance'])} of the negative controls, {_cost_text(c)}). "
+                           f"{dec} is not the repair for every field: {cands[dec].why_not(threshold)}.")
     else:
-        out["sentence"] = (f"No repair is established at {threshold:g}: no strategy's 95% lower bound reaches it. "
-                           f"The closest is {closest['strategy']}, agreement {stat_text(r['agreement'])}, {cost_text}"
-                           f"{_controls_text(r)}; only a full re-prefill is known to be right"
-                           + (f" (a lower bound of {threshold:g} takes at least {need} valid cases, all agreeing)."
-                              if need else "."))
+        out["sentence"] = (f"No repair is established at {threshold:g} on both legs (agreement with the oracle, and "
+                           f"the decision kept on negative controls). The closest is {near.name}, agreement "
+                           f"{stat_text(r['agreement'])}, {cost_text}{_controls_text(r)} ({near.why_not(threshold)}); "
+                           f"only a full re-prefill is known to be right"
+                           + (f" (a lower bound of {threshold:g} takes at least {need} cases on each leg, all "
+                              f"succeeding)." if need else ".")
+                           + (f" For the fields that decide alone, {dec} is established on agreement." if dec else "")
+                           + (f" For the fields that must not matter alone, {ctl} keeps the decision." if ctl else ""))
     return out
 
 
@@ -292,7 +318,9 @@ def validity(run: Run) -> dict | None:
     skipped: dict[str, int] = {}
     for s in m.get("skipped") or []:
         skipped[s.get("reason", "?")] = skipped.get(s.get("reason", "?"), 0) + 1
-    out = {"cases": counts.get("cases"), "aligned": counts.get("aligned"), "decision": len(dec) if len(v) else None,
+    sizing = m.get("sizing")
+    out = {"cases": counts.get("cases"), "aligned": counts.get("aligned"), "checked": counts.get("checked"),
+           "sizing": sizing, "decision": len(dec) if len(v) else None,
            "valid_decision": counts.get("valid_decision"), "valid_share": share,
            "valid_controls": counts.get("valid_control"), "controls": int(len(v) - len(dec)) if len(v) else None,
            "invalid": dropped, "skipped": skipped}
@@ -304,8 +332,20 @@ def validity(run: Run) -> dict | None:
                        + (f"; {out['valid_controls']} of {out['controls']} negative controls valid"
                           if out["controls"] else "") + "."
                        + (" No case is valid: every number below is over all probed cases and says nothing about "
-                          "editing a model that decides." if out["valid_decision"] == 0 else ""))
+                          "editing a model that decides." if out["valid_decision"] == 0 else "")
+                       + (" " + sizing_text(sizing) if sizing else ""))
     return out
+
+
+def sizing_text(sizing: dict) -> str:
+    """How a sized run chose its cases, and whether it stopped on its targets or its budget."""
+    head = (f"The run was sized to establish each leg at {sizing['threshold']:g} ({sizing['per_leg']} cases a leg, "
+            f"all succeeding): it checked {sizing.get('checked')} cases in order (budget {sizing['budget']}) for "
+            f"{sizing['valid_decision']} valid decision cases and {sizing['valid_controls']} valid controls, and found "
+            f"{sizing.get('valid_decision_found')} and {sizing.get('valid_controls_found')}")
+    if sizing.get("stopped") == "targets reached":
+        return head + "; it stopped there, on validity alone (no edit's outcome), so every interval is a fixed-sample one."
+    return head + f"; it stopped because {sizing.get('reason', 'the budget ran out')}."
 
 
 def reason_text(reason: str) -> str:
@@ -318,7 +358,10 @@ def reason_text(reason: str) -> str:
 
 # -- the summary --------------------------------------------------------------------------------------------
 def summarize_run(run: Run, threshold: float | None = None) -> dict:
-    """The five facts of ``run`` (see the module docstring), ``threshold`` defaulting to its topk.yaml's."""
+    """The five facts of ``run`` (see the module docstring), ``threshold`` defaulting to its config's,
+    else its topk.yaml's."""
+    if threshold is None and isinstance(run.config.get("threshold"), (int, float)):
+        threshold = float(run.config["threshold"])
     if threshold is None:
         t = run.topk.get("threshold") if isinstance(run.topk, dict) else None
         threshold = float(t) if isinstance(t, (int, float)) and 0 <= t <= 1 else DEFAULT_THRESHOLD
