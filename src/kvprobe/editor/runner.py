@@ -114,14 +114,15 @@ def align_all(lm, cases: Sequence[EditCase], form: str = "auto", cot: bool = Fal
     return aligned, skipped
 
 
-def run_edits(lm, cases: Sequence[EditCase], strategies: Sequence[str], cot: Sequence[int] = (0,),
+def run_edits(lm, cases: Sequence[EditCase], strategies: Sequence[Strategy | str], cot: Sequence[int] = (0,),
               form: str = "auto", min_flip: float = DEFAULT_MIN_FLIP, ranking=None, seed: int = 0,
               model_name: str = "", store=None, on_case: Callable[[], None] = lambda: None
               ) -> tuple[pd.DataFrame, list[Skip]]:
     """All strategies x CoT settings over the cases; finished cases are kept in ``store`` (resume).
-    Every case needs its expected answers (the rows say whether it is valid)."""
+    ``strategies`` are typed (taken as they are; ``RunConfig.edit_strategies()``) or spec strings
+    (parsed here). Every case needs its expected answers (the rows say whether it is valid)."""
     require_answers(cases, "run_edits")
-    parsed = [parse_strategy(s) for s in strategies]
+    parsed = [s if isinstance(s, Strategy) else parse_strategy(s) for s in strategies]
     frames, skipped = [], []
     for cot_tokens in cot:
         aligned, skips = align_all(lm, cases, form, cot=cot_tokens > 0)
