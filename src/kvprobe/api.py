@@ -18,7 +18,6 @@ re-prefill) is one more strategy, for checking, never needed.
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -30,8 +29,9 @@ from kvprobe.datasets import AlignedCase, EditCase, Skip, align, render_prompt
 from kvprobe.datasets.render import resolve_form
 from kvprobe.datasets.spans import option_ids, prompt_ids
 from kvprobe.editor.context import EditContext, make_context
-from kvprobe.editor.strategies import (Strategy, apply, check_policies, check_policy_specs, decision_of,
-                                       load_policy, parse_strategy)
+from kvprobe.editor.score import measure_strategies
+from kvprobe.editor.strategies import (Strategy, apply, check_policies, check_policy_specs, load_policy,
+                                       parse_strategy)
 from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.kv import cache as kvcache
 from kvprobe.kv.decode import Edited, _eos_ids, decide
@@ -326,27 +326,24 @@ def first_message(exc: Exception) -> str:
     return str(exc).splitlines()[0]
 
 
-def timed_decision(lm, a: AlignedCase, edited: Edited) -> tuple[str, float, float]:
-    """(decision, margin, seconds to read it) of a repaired state."""
-    start = time.perf_counter()
-    decision, margin = decision_of(lm, a, edited)
-    return decision, margin, time.perf_counter() - start
+DIAGNOSE_COLUMNS = ["new_value", "strategy", "chose", "pred", "pred_oracle", "agree", "margin", "tokens_recomputed",
+                    "frac_recomputed", "wall_s", "decide_s", "to_decision_s", "note", "error"]
 
 
-DIAGNOSE_COLUMNS = ["new_value", "strategy", "chose", "decision", "oracle_decision", "agrees", "margin",
-                    "tokens_recomputed", "frac_recomputed", "repair_s", "decide_s", "to_decision_s", "note", "error"]
-
-
-def diagnose_case(lm, case: EditCase, new_values: list[str], strategies: list[str], form: str = "auto",
+def diagnose_case(lm, case: EditCase, new_values: list[str], strategies: list[str | Strategy], form: str = "auto",
                   policy=None, start=lambda total: (lambda: None)) -> pd.DataFrame:
     """Every strategy (``auto`` among them) for each new value of the case's field, against the
     oracle: the decision each reads, whether it agrees, its margin, cost and time. One row per
-    new value x strategy (see :data:`DIAGNOSE_COLUMNS`); a strategy that cannot run on this
-    prompt (hoist on a template) is a row with its error. The old prompt is prefilled once.
+    new value x strategy (see :data:`DIAGNOSE_COLUMNS`: the names of
+    :data:`kvprobe.editor.score.ROW_COLUMNS`, ``wall_s`` the repair's seconds, plus ``new_value``,
+    ``margin`` and ``to_decision_s`` = wall_s + decide_s; ``chose`` is what ran, the strategy
+    itself unless it chose); a strategy that cannot run on this prompt (hoist on a template) is a
+    row with its error. The old prompt is prefilled once; the rows come from
+    :func:`kvprobe.editor.score.measure_strategies`.
 
     Every input is checked first (each new value, its prompt against the window, each strategy's
     policy file); then ``start(total)`` is called and what it returns after each row."""
-    parsed = [parse_strategy(s) for s in strategies]
+    parsed = [parse_strategy(s) if isinstance(s, str) else s for s in strategies]
     edits = []
     for value in new_values:
         if value == case.old_value:
@@ -360,33 +357,23 @@ def diagnose_case(lm, case: EditCase, new_values: list[str], strategies: list[st
                                "see to repair; give values its tokenizer tells apart")
         edits.append((value, a))
     check_policies(parsed, lm)
-    on_step = start(len(edits) * len(parsed))
-    old_cache, rows = None, []
+    on_step = start(len(edits) * len({s.label for s in parsed}))
+    old_cache, frames = None, []
     with lm.lock:  # every forward pass and repair below holds the model (LoadedModel.lock)
         for value, a in edits:
             if old_cache is None:
                 old_cache = make_context(lm, a).old_cache
             ctx = EditContext(lm, a, old_cache, ranking=learned_ranking(policy), policy=policy)
-            oracle_decision = decision_of(lm, a, apply(ctx, "oracle"))[0]
-            for s in parsed:
-                row = {"new_value": value, "strategy": s.spec, "oracle_decision": oracle_decision}
-                try:
-                    s.check(lm, a)
-                    edited = apply(ctx, s)
-                    decision, margin, decide_s = timed_decision(lm, a, edited)
-                except KvprobeError as exc:
-                    rows.append(row | {"error": str(exc)})
-                    on_step()
-                    continue
-                rows.append(row | {"chose": edited.chose or s.spec, "decision": decision,
-                                   "agrees": decision == oracle_decision, "margin": margin,
-                                   "tokens_recomputed": float(edited.recomputed),
-                                   "frac_recomputed": float(edited.recomputed) / edited.total,
-                                   "repair_s": edited.wall_s,
-                                   "decide_s": decide_s, "to_decision_s": edited.wall_s + decide_s,
-                                   "note": edited.note or None})
-                on_step()
-    return pd.DataFrame(rows).reindex(columns=DIAGNOSE_COLUMNS)
+            rows = measure_strategies(lm, a, parsed, ctx=ctx, on_row=on_step).set_index("strategy", drop=False)
+            frames.append(rows.loc[[s.label for s in parsed]].assign(new_value=value))
+    if not frames:
+        return pd.DataFrame(columns=DIAGNOSE_COLUMNS)
+    rows = pd.concat(frames, ignore_index=True)
+    ran = rows.error.isna()
+    rows.loc[ran, "chose"] = [chose or s for chose, s in zip(rows.chose[ran], rows.strategy[ran])]
+    rows.loc[ran, "note"] = [note or None for note in rows.note[ran]]
+    rows["to_decision_s"] = rows.wall_s + rows.decide_s
+    return rows.reindex(columns=DIAGNOSE_COLUMNS)
 
 
 def recommendation(rows: pd.DataFrame) -> list[str]:
@@ -394,18 +381,18 @@ def recommendation(rows: pd.DataFrame) -> list[str]:
     known) the cheapest strategy that agreed."""
     lines = []
     for value, g in rows.groupby("new_value", sort=False):
-        ok = g[g.agrees.eq(True) & ~g.strategy.isin(["oracle", "stale"])]
+        ok = g[g.agree.eq(True) & ~g.strategy.isin(["oracle", "stale"])]
         auto = g[g.strategy.str.startswith("auto")]
         head = f"{value}: "
         stale = g[g.strategy.eq("stale")]
-        if len(stale) and stale.iloc[0].decision == stale.iloc[0].oracle_decision:
+        if len(stale) and stale.iloc[0].pred == stale.iloc[0].pred_oracle:
             lines.append(head + f"no repair is needed for the decision: the stale cache already gives the oracle's "
-                                f"{stale.iloc[0].oracle_decision!r} (this edit does not change it); field_only keeps "
+                                f"{stale.iloc[0].pred_oracle!r} (this edit does not change it); field_only keeps "
                                 f"the cached text current at the least cost, so no strategy is ranked")
             continue
         if len(auto) and isinstance(auto.iloc[0].chose, str):
             r = auto.iloc[0]
-            head += (f"auto chose {r.chose} ({'agrees' if r.agrees else 'DISAGREES'} with the oracle, "
+            head += (f"auto chose {r.chose} ({'agrees' if r.agree else 'DISAGREES'} with the oracle, "
                      f"{r.frac_recomputed:.1%} recomputed) because {r.note}; ")
         cheapest = ok.sort_values(["frac_recomputed", "to_decision_s"]).iloc[0].strategy if len(ok) else None
         lines.append(head + (f"cheapest agreeing in hindsight: {cheapest}" if cheapest

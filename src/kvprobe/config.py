@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from kvprobe.datasets import ERRATUM, ERRATUM_TEMPLATES, Skip, align, resolve_dataset
 from kvprobe.defaults import (DEFAULT_BUDGET, DEFAULT_FORM, DEFAULT_MIN_FLIP, DEFAULT_MODEL, DEFAULT_STRATEGIES,
@@ -49,6 +49,7 @@ class RunConfig(BaseModel):
     dtype: str = "float32"  # float32 (exact tables), bfloat16 or float16
     device: str = "cpu"  # cpu, cuda, cuda:N
     device_map: str | None = None  # "auto": spread a model larger than one device (accelerate); overrides device
+    _typed: tuple | None = PrivateAttr(None)  # (specs, erratum_template, typed strategies): see edit_strategies
 
     @field_validator("probes")
     @classmethod
@@ -69,13 +70,6 @@ class RunConfig(BaseModel):
         if not v or min(v) < 0:
             raise ValueError(f"cot must be a non-empty list of token budgets >= 0 (0 = no chain-of-thought), got {v}")
         return sorted(set(v))
-
-    @field_validator("strategies")
-    @classmethod
-    def _strategies(cls, v: list[str]) -> list[str]:
-        for s in v:
-            parse_strategy(s)
-        return v
 
     @field_validator("erratum_template")
     @classmethod
@@ -115,9 +109,23 @@ class RunConfig(BaseModel):
         return {"threshold": self.threshold, "per_leg": need, "valid_decision": decision, "valid_controls": controls,
                 "budget": self.budget}
 
+    @model_validator(mode="after")
+    def _typed_strategies(self) -> "RunConfig":
+        """Parse the strategy specs once, here at the edge (a bad one is a one-line error): the typed
+        list is held beside the specs, which stay as given (what ``model_dump()`` and config.json hold)."""
+        self._typed = self._parse_strategies()
+        return self
+
+    def _parse_strategies(self) -> tuple[tuple[str, ...], str, tuple[Strategy, ...]]:
+        typed = tuple(parse_strategy(s, template=self.erratum_template) for s in self.strategies)
+        return tuple(self.strategies), self.erratum_template, typed
+
     def edit_strategies(self) -> list[Strategy]:
-        """The configured strategies, typed; an erratum given without a template gets ``erratum_template``."""
-        return [parse_strategy(s, template=self.erratum_template) for s in self.strategies]
+        """The configured strategies, typed (parsed once, at validation); an erratum given without a
+        template gets ``erratum_template``."""
+        if self._typed is None or self._typed[:2] != (tuple(self.strategies), self.erratum_template):
+            self._typed = self._parse_strategies()  # changed since validation: model_copy(update=...) or assignment
+        return list(self._typed[2])
 
     @classmethod
     def from_yaml(cls, path: Path | str, **overrides) -> "RunConfig":

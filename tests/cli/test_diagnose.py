@@ -43,8 +43,8 @@ def test_a_template_jsonl_case_gets_every_strategy_against_the_oracle(tmp_path, 
     out = json.loads(proc.stdout)
     rows = {r["strategy"]: r for r in out["rows"]}
     assert list(rows) == list(DIAGNOSE_STRATEGIES)
-    assert rows["oracle"]["agrees"] and rows["oracle"]["decision"] == case.expected_new
-    assert rows["stale"]["decision"] == case.expected_old and not rows["stale"]["agrees"]
+    assert rows["oracle"]["agree"] and rows["oracle"]["pred"] == rows["oracle"]["pred_oracle"] == case.expected_new
+    assert rows["stale"]["pred"] == case.expected_old and not rows["stale"]["agree"]
     assert rows["auto"]["chose"] in ("field_only", "erratum_turn") and rows["auto"]["note"]
     for r in rows.values():
         assert r["error"] is None and 0 <= r["frac_recomputed"] <= 1 and r["to_decision_s"] > 0
@@ -113,6 +113,6 @@ def test_an_edit_that_does_not_change_the_decision_is_flagged_not_ranked():
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     rows = {r["strategy"]: r for r in out["rows"]}
-    assert rows["stale"]["decision"] == rows["oracle"]["decision"]
+    assert rows["stale"]["pred"] == rows["oracle"]["pred"]
     assert out["recommendation"][0].startswith("silver: no repair is needed for the decision")
     assert "cheapest" not in out["recommendation"][0]

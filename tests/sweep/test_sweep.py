@@ -114,7 +114,7 @@ def test_interrupted_sweep_resumes_without_redoing_cases(swept, tmp_path):
     assert sum(c["resumed"] for c in manifest["cells"].values()) == len(before)
     for table in TABLES:
         a, b = pd.read_parquet(swept / table), pd.read_parquet(out / table)
-        timing = [c for c in a if c in ("wall_s", "case_s")]
+        timing = [c for c in a if c in ("wall_s", "decide_s", "case_s")]
         pd.testing.assert_frame_equal(a.drop(columns=timing), b.drop(columns=timing))
 
 

@@ -162,10 +162,10 @@ def _print(rows, title: str) -> None:
                          else "right")
     for r in rows.itertuples():
         if isinstance(r.error, str):
-            table.add_row(r.new_value, r.strategy, "-", "error", r.oracle_decision, "-", "-", "-", "-", r.error[:60])
+            table.add_row(r.new_value, r.strategy, "-", "error", r.pred_oracle, "-", "-", "-", "-", r.error[:60])
             continue
         ms = lambda s: "-" if math.isnan(s) else f"{1000 * s:.0f}"  # noqa: E731
-        table.add_row(r.new_value, r.strategy, r.chose, repr(r.decision), repr(r.oracle_decision),
-                      "yes" if r.agrees else "NO", f"{r.margin:.2f}",
-                      f"{r.frac_recomputed:.1%} ({r.tokens_recomputed:.0f})", ms(r.repair_s), ms(r.to_decision_s))
+        table.add_row(r.new_value, r.strategy, r.chose, repr(r.pred), repr(r.pred_oracle),
+                      "yes" if r.agree else "NO", f"{r.margin:.2f}",
+                      f"{r.frac_recomputed:.1%} ({r.tokens_recomputed:.0f})", ms(r.wall_s), ms(r.to_decision_s))
     console.print(table)

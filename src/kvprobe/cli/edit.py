@@ -54,7 +54,7 @@ def edit(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "defau
     with progress_bar() as bar:
         task = bar.add_task(f"editing {len(cases)} cases x {len(cfg.cot)} CoT settings",
                             total=len(cases) * len(cfg.cot))
-        df, skipped = run_edits(lm, cases, cfg.strategies, cfg.cot, form, min_flip, model_name=model, store=store,
+        df, skipped = run_edits(lm, cases, cfg.edit_strategies(), cfg.cot, form, min_flip, model_name=model, store=store,
                                 on_case=lambda: bar.advance(task))
     path = store.collect()
     folder.write("edit_manifest.json", folder.manifest(

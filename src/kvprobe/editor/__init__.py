@@ -11,8 +11,10 @@ it cost. :func:`decide` feeds those tokens and reads the decision logits.
 
 Rooms: :mod:`.context` (what a strategy starts from), :mod:`.strategies` (the typed, registered
 strategies and their spec grammar), :mod:`.rankings` (how ``selective`` picks positions),
-:mod:`.causal_rule` (the ranking learned from the locality probe), :mod:`.runner` (strategies
-over cases, tabulated against the oracle), :mod:`.topk` (the per-model top-K export).
+:mod:`.causal_rule` (the ranking learned from the locality probe), :mod:`.score` (a repaired
+state scored against the stale and oracle reads: the one row builder of every such table),
+:mod:`.runner` (strategies over cases, tabulated against the oracle), :mod:`.topk` (the per-model
+top-K export).
 """
 
 from kvprobe.editor.context import EditContext, make_context

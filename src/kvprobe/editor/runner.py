@@ -1,6 +1,6 @@
 """Run edit strategies over a dataset and tabulate them against the oracle (one tidy row per
-case x strategy x CoT setting). Validity comes for free: the stale and oracle reads are the
-model's decisions under the old and the new value.
+case x strategy x CoT setting, built by :mod:`kvprobe.editor.score`). Validity comes for free:
+the stale and oracle reads are the model's decisions under the old and the new value.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from collections.abc import Callable, Sequence
 import pandas as pd
 
 from kvprobe.datasets import AlignedCase, EditCase, Skip, align, require_answers
-from kvprobe.kv.readout import answer_targets, logit_diff, predicted
 from kvprobe.errors import KvprobeError
 from kvprobe.editor.context import make_context
+from kvprobe.editor.score import Reference, error_row, score_row
 from kvprobe.editor.strategies import Selective, Strategy, apply, apply_selective_many, parse_strategy
 from kvprobe.kv import cache as kvcache
 from kvprobe.kv.decode import Edited, decide, decide_batch, decide_many
-from kvprobe.metrics import DEFAULT_MIN_FLIP, compare, recovery
+from kvprobe.metrics import DEFAULT_MIN_FLIP
 
 
 def edit_case(lm, a: AlignedCase, strategies: Sequence[Strategy], cot_tokens: int = 0,
@@ -38,7 +38,6 @@ def edit_case(lm, a: AlignedCase, strategies: Sequence[Strategy], cot_tokens: in
     strategies = list({s.label: s for s in strategies}.values())  # one row per strategy, even if listed twice
     sweep = [s for s in {s.label: s for s in sweep}.values() if s.label not in {t.label for t in strategies}]
     ctx = make_context(lm, a, ranking=ranking, seed=seed, old_cache=old_cache)
-    new_ans, old_ans = answer_targets(case)
 
     wanted = {"stale": parse_strategy("stale"), "oracle": parse_strategy("oracle")}
     for s in strategies:
@@ -69,37 +68,20 @@ def edit_case(lm, a: AlignedCase, strategies: Sequence[Strategy], cot_tokens: in
             decide_s |= times
             applied |= {label: dataclasses.replace(e, cache=None) for label, e in states.items()}
         strategies += sweep
-    stale_logits, oracle_logits = reads["stale"][0], reads["oracle"][0]
-    m_stale = float(logit_diff(stale_logits, a.option_ids, new_ans, old_ans))
-    m_oracle = float(logit_diff(oracle_logits, a.option_ids, new_ans, old_ans))
-    pred_of = lambda lg: predicted(lg, a.option_ids, case.options)[0]  # noqa: E731
-    pred_oracle = pred_of(oracle_logits)
-    valid = pred_of(stale_logits) == case.expected_old and pred_oracle == case.expected_new
+    ref = Reference.of(a, reads["stale"][0], reads["oracle"][0], min_flip, lm.tokenizer)
     rows = []
     for s in strategies:
         edited = applied[s.label]
         if isinstance(edited, KvprobeError):
-            rows.append({"strategy": s.label, "error": str(edited)})
+            rows.append(error_row(s, edited))
             continue
         logits, text = reads[s.label]
-        m = float(logit_diff(logits, a.option_ids, new_ans, old_ans))
-        pred = pred_of(logits)
-        rows.append({
-            "strategy": s.label, "k": s.k, "ranking": s.ranking, "m": m, "m_stale": m_stale,
-            "m_oracle": m_oracle, "oracle_flip": m_oracle - m_stale,
-            "recovery": recovery(m, m_stale, m_oracle, min_flip), "pred": pred, "pred_oracle": pred_oracle,
-            "agree": pred == pred_oracle, "correct": pred == case.expected_new, **compare(logits, oracle_logits),
-            "tokens_recomputed": float(edited.recomputed), "tokens_total": edited.total,
-            "frac_recomputed": float(edited.recomputed) / edited.total, "wall_s": edited.wall_s,
-            "decide_s": decide_s.get(s.label, float("nan")),
-            "rewritten_prompt": edited.rewritten_prompt, "generated": text, "error": None,
-            "note": edited.note, "chose": edited.chose,
-        })
+        rows.append(score_row(ref, s, edited, logits, decide_s.get(s.label, float("nan")), text))
     df = pd.DataFrame(rows)
     df.insert(0, "model", model_name)
     df.insert(1, "case_id", case.case_id)
     for col, value in (("domain", case.domain), ("field", case.field), ("control", case.control),
-                       ("template_id", case.template_id), ("cot", cot_tokens), ("valid", valid),
+                       ("template_id", case.template_id), ("cot", cot_tokens), ("valid", ref.valid),
                        ("n_tokens", len(a.ids_old))):
         df[col] = value
     return df
@@ -132,14 +114,15 @@ def align_all(lm, cases: Sequence[EditCase], form: str = "auto", cot: bool = Fal
     return aligned, skipped
 
 
-def run_edits(lm, cases: Sequence[EditCase], strategies: Sequence[str], cot: Sequence[int] = (0,),
+def run_edits(lm, cases: Sequence[EditCase], strategies: Sequence[Strategy | str], cot: Sequence[int] = (0,),
               form: str = "auto", min_flip: float = DEFAULT_MIN_FLIP, ranking=None, seed: int = 0,
               model_name: str = "", store=None, on_case: Callable[[], None] = lambda: None
               ) -> tuple[pd.DataFrame, list[Skip]]:
     """All strategies x CoT settings over the cases; finished cases are kept in ``store`` (resume).
-    Every case needs its expected answers (the rows say whether it is valid)."""
+    ``strategies`` are typed (taken as they are; ``RunConfig.edit_strategies()``) or spec strings
+    (parsed here). Every case needs its expected answers (the rows say whether it is valid)."""
     require_answers(cases, "run_edits")
-    parsed = [parse_strategy(s) for s in strategies]
+    parsed = [s if isinstance(s, Strategy) else parse_strategy(s) for s in strategies]
     frames, skipped = [], []
     for cot_tokens in cot:
         aligned, skips = align_all(lm, cases, form, cot=cot_tokens > 0)

@@ -44,3 +44,10 @@ def answer_targets(case) -> tuple[str, str]:
     if case.control:
         return next(o for o in case.options if o != case.expected_old), case.expected_old
     return case.expected_new, case.expected_old
+
+
+def valid_case(case, pred_old: str, pred_new: str) -> bool:
+    """Whether a case is valid: the decision read under the old value (the stale read) is
+    ``expected_old`` and under the new value (the oracle read) ``expected_new``. A decision case
+    is then one whose answer the edit flips; a negative control, one whose answer it leaves alone."""
+    return pred_old == case.expected_old and pred_new == case.expected_new

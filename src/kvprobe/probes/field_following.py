@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 import pandas as pd
 
 from kvprobe.datasets import AlignedCase, EditCase, Skip, align, require_answers
-from kvprobe.kv.readout import answer_targets, logit_diff, predicted
+from kvprobe.kv.readout import answer_targets, logit_diff, predicted, valid_case
 from kvprobe.probes.engine import PairCaches
 
 CHECK_COLUMNS = ["case_id", "domain", "field", "control", "old_value", "new_value", "expected_old",
@@ -38,7 +38,7 @@ def check_case(lm, a: AlignedCase, pc: PairCaches | None = None) -> dict:
         "expected_new": c.expected_new, "pred_old": pred[0], "pred_new": pred[1],
         "correct_old": correct_old, "correct_new": correct_new, "flipped": pred[0] != pred[1],
         "m_old": m[0], "m_new": m[1], "logit_shift": m[1] - m[0],
-        "valid": correct_old and correct_new, "n_tokens": len(a.ids_old),
+        "valid": valid_case(c, pred[0], pred[1]), "n_tokens": len(a.ids_old),
     }
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from kvprobe.datasets import Skip, align, generate
 from kvprobe.datasets.generate import MAX_FILLER_TOKENS, RULE_STYLES
@@ -33,7 +33,7 @@ from kvprobe.defaults import (
     SWEEP_STRATEGIES,
     checked_form,
 )
-from kvprobe.editor.strategies import check_policies, parse_strategy
+from kvprobe.editor.strategies import Strategy, check_policies, parse_strategy
 from kvprobe.errors import CheckFailed
 from kvprobe.config import check_cases
 from kvprobe.results import (SWEEP, SWEEP_CLAIM, SWEEP_MANIFEST, SWEEP_SUMMARY, ResultsFolder, atomic_write_parquet,
@@ -68,6 +68,7 @@ class SweepConfig(BaseModel):
     dtype: str = "float32"
     device: str = "cpu"
     time_all: bool = False  # run (and time) stale, field_only and oracle instead of reading them off the patches
+    _typed: tuple | None = PrivateAttr(None)  # (labels, typed strategies): see edit_strategies
 
     def settings(self) -> dict:
         """The settings a folder is claimed with (``time_all`` only when set, so older folders resume)."""
@@ -107,10 +108,20 @@ class SweepConfig(BaseModel):
     def _form(cls, v: str) -> str:
         return checked_form(v)
 
-    @field_validator("strategies")
-    @classmethod
-    def _strategies(cls, v: list[str]) -> list[str]:
-        return [parse_strategy(s).label for s in v]
+    @model_validator(mode="after")
+    def _typed_strategies(self) -> "SweepConfig":
+        """Parse the strategy specs once, here at the edge: ``strategies`` becomes their labels (what
+        ``model_dump()`` and sweep_config.json hold) and the typed list is held beside them."""
+        typed = tuple(parse_strategy(s) for s in self.strategies)
+        self.strategies = [s.label for s in typed]
+        self._typed = tuple(self.strategies), typed
+        return self
+
+    def edit_strategies(self) -> list[Strategy]:
+        """The sweep's strategies, typed (parsed once, at validation)."""
+        if self._typed is None or self._typed[0] != tuple(self.strategies):  # changed since validation
+            self._typed = tuple(self.strategies), tuple(parse_strategy(s) for s in self.strategies)
+        return list(self._typed[1])
 
     def cells(self) -> list[dict]:
         """The grid, layout-major: one dict of knobs (and its id) per cell."""
@@ -141,7 +152,7 @@ def run_sweep(cfg: SweepConfig, lm, out: Path | str, progress: Callable[[str, in
     from its part, not redone. Returns the manifest."""
     out = Path(out)
     progress = progress or (lambda name, total: (lambda: None))
-    strategies = [parse_strategy(s) for s in cfg.strategies]
+    strategies = cfg.edit_strategies()
     cells = cfg.cells()
     prepared = []
     for cell in cells:  # every input checked before the folder is claimed or any forward pass runs

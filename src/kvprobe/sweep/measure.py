@@ -9,14 +9,18 @@ field, :class:`~kvprobe.probes.engine.PairCaches`), then
   nothing (``none``, the stale read) and everywhere (``all``, the oracle read). The stale and
   oracle reads give validity for free;
 - **strategies** (valid cases only): every edit strategy from the old cache, read at the decision
-  token (no chain-of-thought), against the oracle read. Three need no work of their own
-  (:data:`SAME_AS_PATCH`): ``stale`` is the ``none`` read, ``oracle`` the ``all`` read, and
+  token (no chain-of-thought), scored against the stale and oracle reads by
+  :func:`kvprobe.editor.score.score_row` (``wall_s`` the repair's seconds, ``decide_s`` the
+  read's). Three need no work of their own (:data:`SAME_AS_PATCH`): ``stale`` is the ``none``
+  read, ``oracle`` the ``all`` read, and
   ``field_only`` the ``field`` read, since recomputing the field over a prefix identical in both
   prompts gives exactly the new prompt's field entries (``derive=False`` runs them anyway; a test
   checks that both agree).
 
 One row per case x measure, with ``m``, the stale and oracle ``m``, recovery (NaN when the
-oracle flip is under ``min_flip``) and agreement with the oracle's decision.
+oracle flip is under ``min_flip``) and agreement with the oracle's decision: the names of
+:data:`kvprobe.editor.score.ROW_COLUMNS`, except that ``name`` holds a patch set's name or a
+strategy's label (``measure`` says which) and ``agree`` is 0/1 (the summary averages it).
 """
 
 from __future__ import annotations
@@ -30,16 +34,15 @@ from kvprobe.datasets import AlignedCase
 from kvprobe.editor.context import EditContext
 from kvprobe.editor.strategies import Strategy, apply
 from kvprobe.errors import KvprobeError
-from kvprobe.kv.decode import decide
+from kvprobe.editor.score import Reference, error_row, score_row, timed_read
 from kvprobe.kv.readout import answer_targets, logit_diff, option_columns, predicted
-from kvprobe.metrics import recovery
 from kvprobe.probes.engine import PairCaches, Patch, patched_reads
 
 DOWNSTREAM_KINDS = ("newline", "punct", "section", "word")
 SAME_AS_PATCH = {"stale": "none", "field_only": "field", "oracle": "all"}  # strategy -> the patch read it equals
 COLUMNS = ["case_id", "domain", "field", "control", "valid", "n_tokens", "field_tokens", "downstream_tokens",
            "measure", "name", "m", "m_stale", "m_oracle", "oracle_flip", "recovery", "agree", "frac_recomputed",
-           "wall_s", "chose", "error", "case_s"]
+           "wall_s", "decide_s", "chose", "error", "case_s"]
 
 
 def patch_sets(a: AlignedCase) -> list[tuple[str, Patch]]:
@@ -59,18 +62,17 @@ def measure_case(lm, a: AlignedCase, strategies: Sequence[Strategy], min_flip: f
     """Every patch and, on a valid case, every strategy (see the module docstring); one row each."""
     start = time.perf_counter()
     case = a.case
-    new_ans, old_ans = answer_targets(case)
-    m_of = lambda lg: logit_diff(lg, a.option_ids, new_ans, old_ans)
-    pred_of = lambda lg: predicted(lg, a.option_ids, case.options)
     lm.check_length(len(a.ids_old))
     pc = PairCaches.build(lm, a)
     sets = patch_sets(a)
     logits = patched_reads(lm, pc, [p for _, p in sets], columns=option_columns(a.option_ids))
-    ms, preds = m_of(logits).tolist(), pred_of(logits)
-    m_stale, m_oracle, pred_stale, pred_oracle = ms[0], ms[1], preds[0], preds[1]
-    valid = pred_stale == case.expected_old and pred_oracle == case.expected_new
-    rows = [{"measure": "patch", "name": name, "m": m, "recovery": recovery(m, m_stale, m_oracle, min_flip),
-             "agree": float(pred == pred_oracle)} for (name, _), m, pred in zip(sets, ms, preds)]
+    # the reads hold the options' columns only: no distribution comparison against them
+    ref = Reference.of(a, logits[0], logits[1], min_flip, lm.tokenizer, full_vocab=False)
+    new_ans, old_ans = answer_targets(case)
+    ms, preds = logit_diff(logits, a.option_ids, new_ans, old_ans).tolist(), predicted(logits, a.option_ids, case.options)
+    m_stale, m_oracle, valid = ref.m_stale, ref.m_oracle, ref.valid
+    rows = [{"measure": "patch", "name": name, "m": m, "recovery": ref.recovery(m),
+             "agree": float(pred == ref.pred_oracle)} for (name, _), m, pred in zip(sets, ms, preds)]
     if valid:
         ctx = EditContext(lm, a, pc.old)
         D, (f0, f1) = a.decision_pos, a.field
@@ -82,19 +84,13 @@ def measure_case(lm, a: AlignedCase, strategies: Sequence[Strategy], min_flip: f
                 rows.append({**same, "measure": "strategy", "name": s.label,
                              "frac_recomputed": recomputed[SAME_AS_PATCH[s.label]] / (D + 1)})
                 continue
-            t0 = time.perf_counter()
             try:
                 edited = apply(ctx, s)  # the oracle too: a full prefill, timed like the others
-                lg, _ = decide(lm, edited, 0)
+                lg, decide_s = timed_read(lm, edited)
             except KvprobeError as exc:  # e.g. a chat template that refuses a second user turn
-                rows.append({"measure": "strategy", "name": s.label, "error": str(exc)})
+                rows.append(_strategy_row(error_row(s, exc)))
                 continue
-            m = float(m_of(lg[None])[0])
-            rows.append({"measure": "strategy", "name": s.label, "m": m,
-                         "recovery": recovery(m, m_stale, m_oracle, min_flip),
-                         "agree": float(pred_of(lg[None])[0] == pred_oracle),
-                         "frac_recomputed": float(edited.recomputed) / edited.total,
-                         "wall_s": time.perf_counter() - t0, "chose": edited.chose or None})
+            rows.append(_strategy_row(score_row(ref, s, edited, lg, decide_s)))
     df = pd.DataFrame(rows)
     f0, f1 = a.field
     d0, d1 = a.downstream
@@ -105,3 +101,14 @@ def measure_case(lm, a: AlignedCase, strategies: Sequence[Strategy], min_flip: f
         df[col] = value
     df["case_s"] = time.perf_counter() - start
     return df.reindex(columns=COLUMNS)
+
+
+def _strategy_row(row: dict) -> dict:
+    """A strategy's row of the sweep table from its :func:`~kvprobe.editor.score.score_row`: its
+    label under ``name`` (the column that names patch sets too), ``agree`` as 0/1 (a patch row's
+    share-ready kind), ``chose`` None unless a choosing strategy settled on something."""
+    out = {"measure": "strategy", "name": row["strategy"]}
+    out |= {k: row[k] for k in ("m", "recovery", "frac_recomputed", "wall_s", "decide_s") if k in row}
+    if row.get("error") is not None:
+        return out | {"error": row["error"]}
+    return out | {"agree": float(row["agree"]), "chose": row["chose"] or None}

@@ -1,0 +1,180 @@
+"""Scoring a repaired state against the stale and oracle reads of its case: the one measurement core.
+
+Whatever asks "how close does this repair come to the oracle" (``kvprobe edit`` and ``kvprobe
+run``'s edits table, ``kvprobe sweep``'s strategy rows, ``kvprobe diagnose``, a calibration)
+builds its rows here, in one vocabulary (:data:`ROW_COLUMNS`, edits.parquet's):
+
+    strategy            the strategy's label (its spec)
+    k, ranking          selective's arguments (None for the others)
+    m                   score(new answer) - score(old answer) at the decision token (NaN for a
+                        case without expected answers)
+    m_stale, m_oracle   the same of the stale and the oracle read; ``oracle_flip`` their difference
+    recovery            (m - m_stale) / oracle_flip, NaN when the flip is under ``min_flip``
+    pred, pred_oracle   the decision this state and the oracle read (the arg-max option; the top
+                        token's text for a case without options)
+    agree               pred == pred_oracle (a bool)
+    correct             pred == the case's expected_new
+    cosine, kl          the next-token distribution against the oracle's (NaN when the oracle
+                        logits are not the full vocabulary's)
+    tokens_recomputed, tokens_total, frac_recomputed   what the repair computed, of how many
+    wall_s, decide_s    the repair's seconds; the decision read's seconds
+    rewritten_prompt    the repair needs a rewritten prompt (hoist)
+    generated           the reasoning text with chain-of-thought, else ""
+    error, note, chose  why it could not run (an error row has strategy and error only); what a
+                        choosing strategy (auto) settled on and why ("" for the others)
+
+:class:`Reference` holds a case's stale and oracle reads; :func:`score_row` and
+:func:`error_row` build one row; :func:`measure_strategies` runs stale, the oracle and each
+strategy on one case and scores them (the helper for a caller with no batching of its own).
+Validity is :func:`kvprobe.kv.readout.valid_case`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from kvprobe.datasets import AlignedCase
+from kvprobe.defaults import DEFAULT_MIN_FLIP
+from kvprobe.editor.context import EditContext, make_context
+from kvprobe.editor.strategies import Oracle, Stale, Strategy, apply
+from kvprobe.errors import KvprobeError
+from kvprobe.kv.decode import Edited, decide
+from kvprobe.kv.readout import answer_targets, logit_diff, option_scores, predicted, valid_case
+from kvprobe.metrics import compare, recovery
+
+ROW_COLUMNS = ["strategy", "k", "ranking", "m", "m_stale", "m_oracle", "oracle_flip", "recovery", "pred",
+               "pred_oracle", "agree", "correct", "cosine", "kl", "tokens_recomputed", "tokens_total",
+               "frac_recomputed", "wall_s", "decide_s", "rewritten_prompt", "generated", "error", "note", "chose"]
+NAN = float("nan")
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What every repaired state of one aligned case is scored against: the stale read (the old
+    cache as it is) and the oracle read (a fresh prefill of the new prompt).
+
+    Build it with :meth:`of` from the two reads' decision logits (V,). ``oracle_logits`` is kept
+    for the distribution comparison (cosine, KL); None when the reads computed only the options'
+    columns (then those are NaN). ``tokenizer`` names the top token of a case without options.
+    """
+
+    a: AlignedCase
+    pred_stale: str
+    pred_oracle: str
+    m_stale: float
+    m_oracle: float
+    oracle_logits: torch.Tensor | None = None
+    min_flip: float = DEFAULT_MIN_FLIP
+    tokenizer: object = None
+
+    @classmethod
+    def of(cls, a: AlignedCase, stale: torch.Tensor, oracle: torch.Tensor, min_flip: float = DEFAULT_MIN_FLIP,
+           tokenizer=None, full_vocab: bool = True) -> Reference:
+        """The reference of ``a`` from its stale and oracle decision logits (V,); ``full_vocab``
+        False: the logits hold the options' columns only (no cosine or KL against them)."""
+        ref = cls(a, "", "", NAN, NAN, oracle if full_vocab else None, min_flip, tokenizer)
+        return cls(a, ref.pred(stale), ref.pred(oracle), ref.m(stale), ref.m(oracle), ref.oracle_logits, min_flip,
+                   tokenizer)
+
+    @property
+    def valid(self) -> bool:
+        """The stale read gives the case's expected_old and the oracle read its expected_new."""
+        return valid_case(self.a.case, self.pred_stale, self.pred_oracle)
+
+    @property
+    def oracle_flip(self) -> float:
+        return self.m_oracle - self.m_stale
+
+    def m(self, logits: torch.Tensor) -> float:
+        """score(new answer) - score(old answer) of (V,) logits; NaN without expected answers."""
+        case = self.a.case
+        if case.expected_old is None or case.expected_new is None:
+            return NAN
+        return float(logit_diff(logits, self.a.option_ids, *answer_targets(case)))
+
+    def recovery(self, m: float) -> float:
+        return recovery(m, self.m_stale, self.m_oracle, self.min_flip)
+
+    def pred(self, logits: torch.Tensor) -> str:
+        """The decision (V,) logits read: the arg-max option, or the top token without options."""
+        if self.a.case.options:
+            return predicted(logits, self.a.option_ids, self.a.case.options)[0]
+        return self.tokenizer.decode([int(logits.argmax())])
+
+    def margin(self, logits: torch.Tensor) -> float:
+        """How far the decision leads: the best option's score minus the other's (without options,
+        the top token's logit minus the runner-up's)."""
+        scores = option_scores(logits, self.a.option_ids, self.a.case.options) if self.a.case.options else logits
+        top = scores.topk(2).values
+        return float(top[0] - top[1])
+
+
+def score_row(ref: Reference, s: Strategy, edited: Edited, logits: torch.Tensor, decide_s: float = NAN,
+              generated: str = "") -> dict:
+    """One row (:data:`ROW_COLUMNS`) for strategy ``s``, whose repaired state ``edited`` read the
+    decision logits (V,) ``logits`` in ``decide_s`` seconds (``generated``: its reasoning text)."""
+    m, pred = ref.m(logits), ref.pred(logits)
+    distribution = (compare(logits, ref.oracle_logits) if ref.oracle_logits is not None
+                    else {"cosine": NAN, "kl": NAN})
+    return {
+        "strategy": s.label, "k": s.k, "ranking": s.ranking, "m": m, "m_stale": ref.m_stale,
+        "m_oracle": ref.m_oracle, "oracle_flip": ref.oracle_flip, "recovery": ref.recovery(m), "pred": pred,
+        "pred_oracle": ref.pred_oracle, "agree": pred == ref.pred_oracle, "correct": pred == ref.a.case.expected_new,
+        **distribution, "tokens_recomputed": float(edited.recomputed), "tokens_total": edited.total,
+        "frac_recomputed": float(edited.recomputed) / edited.total, "wall_s": edited.wall_s, "decide_s": decide_s,
+        "rewritten_prompt": edited.rewritten_prompt, "generated": generated, "error": None, "note": edited.note,
+        "chose": edited.chose,
+    }
+
+
+def error_row(s: Strategy, error: Exception | str) -> dict:
+    """The row of a strategy that could not repair the case: its label and the one-line error."""
+    return {"strategy": s.label, "error": str(error)}
+
+
+def timed_read(lm, edited: Edited) -> tuple[torch.Tensor, float]:
+    """The decision logits (V,) of a repaired state (no chain-of-thought) and the seconds the read took."""
+    start = time.perf_counter()
+    logits, _ = decide(lm, edited, 0)
+    return logits, time.perf_counter() - start
+
+
+def measure_strategies(lm, a: AlignedCase, strategies: Sequence[Strategy], *, ctx: EditContext | None = None,
+                       old_cache=None, min_flip: float = DEFAULT_MIN_FLIP,
+                       on_row: Callable[[], None] = lambda: None) -> pd.DataFrame:
+    """Stale, the oracle, then each of ``strategies`` (typed; one row per label) on one aligned case,
+    each repaired from the old cache, read at the decision token (no chain-of-thought) and scored
+    against the stale and oracle reads: a frame of :data:`ROW_COLUMNS` plus ``margin``
+    (:meth:`Reference.margin`), the stale row first, then the oracle's.
+
+    ``ctx`` is the case's :class:`EditContext` (it carries a policy or a ranking), else one is built
+    from ``old_cache`` (the old prompt's cache of [0, D), never changed) or a prefill. A strategy
+    that refuses the case or fails with a :class:`KvprobeError` is an :func:`error_row` (with
+    ``pred_oracle``, so it can be counted against the oracle's decision). The caller
+    holds ``lm.lock`` where threads share the model. ``on_row`` is called after each strategy's row.
+    """
+    ctx = ctx if ctx is not None else make_context(lm, a, old_cache=old_cache)
+    states = {label: apply(ctx, s) for label, s in (("stale", Stale()), ("oracle", Oracle()))}
+    reads = {label: timed_read(lm, e) for label, e in states.items()}
+    ref = Reference.of(a, reads["stale"][0], reads["oracle"][0], min_flip, lm.tokenizer)
+    wanted = {"stale": Stale(), "oracle": Oracle()} | {s.label: s for s in strategies if s.label not in states}
+    rows = []
+    for label, s in wanted.items():
+        try:
+            if label not in states:
+                s.check(lm, a)
+                states[label] = apply(ctx, s)
+                reads[label] = timed_read(lm, states[label])
+        except KvprobeError as exc:
+            rows.append(error_row(s, exc) | {"pred_oracle": ref.pred_oracle})
+        else:
+            logits, decide_s = reads[label]
+            rows.append(score_row(ref, s, states[label], logits, decide_s) | {"margin": ref.margin(logits)})
+        if label in {s.label for s in strategies}:
+            on_row()
+    return pd.DataFrame(rows).reindex(columns=[*ROW_COLUMNS, "margin"])
