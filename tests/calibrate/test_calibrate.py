@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pandas as pd
+import torch
 import pytest
 import yaml
 
@@ -99,10 +100,36 @@ def test_a_pair_is_scored_against_the_oracle(toy):
     base = {"subscription_tier": "gold", "timestamp": "2024-05-01T10:00", "request_id": "req-31842"}
     df = measure_pair(toy, spec, "subscription_tier", base, "free", ["field_only", "erratum_turn"])
     assert list(df.strategy) == ["stale", "oracle", "field_only", "erratum_turn"]
-    oracle = df[df.strategy == "oracle"].iloc[0]
-    assert oracle.agree and oracle.answer == oracle.oracle
-    assert set(df.changed) == {oracle.oracle != oracle.stale}
-    assert (df.agree == (df.answer == df.oracle)).all()
+    oracle, stale = (df[df.strategy == s].iloc[0] for s in ("oracle", "stale"))
+    assert oracle.agree and oracle.pred == oracle.pred_oracle  # edits.parquet's vocabulary (kvprobe.editor.score)
+    assert set(df.changed) == {oracle.pred_oracle != stale.pred}
+    assert (df.agree == (df.pred == df.pred_oracle)).all()
+    assert (df.to_decision_s == df.wall_s + df.decide_s).all()
+
+
+def test_the_shared_prefix_gives_each_pair_the_cache_a_full_prefill_gives(toy):
+    """calibrate prefills the template's text before its first field once: each pair's old cache
+    continues that prefix, and equals a full prefill of the old prompt (float32) on every pair, with
+    the same decisions; the prefix is cropped, not recomputed, when a pair shares fewer tokens."""
+    from kvprobe.api import aligned_edit
+    from kvprobe.calibrate.engine import SharedPrefix, _pairs, context_for
+    from kvprobe.kv import cache as kvcache
+
+    spec, prefix, running = load_spec(TOY_SPEC), SharedPrefix(toy), SharedPrefix(toy)
+    saved = []
+    for name in spec.fields:
+        for _, (base, new) in list(_pairs(spec, name, 0, 3)):
+            ctx = context_for(toy, spec, base)
+            a = aligned_edit(toy, ctx.case(name, new), ctx.form)
+            shared = prefix.old_cache(a.ids_old[:a.decision_pos])
+            _, full = kvcache.prefill(toy.model, torch.tensor(a.ids_old[:a.decision_pos]), logits_to_keep=1)
+            for (k1, v1), (k2, v2) in zip(kvcache.to_tensors(shared), kvcache.to_tensors(full)):
+                assert torch.allclose(k1, k2, atol=1e-4) and torch.allclose(v1, v2, atol=1e-4)
+            saved.append(prefix.tokens_saved)
+            with_prefix = measure_pair(toy, spec, name, base, new, ["field_only"], prefix=running)
+            assert list(with_prefix.pred) == list(measure_pair(toy, spec, name, base, new, ["field_only"]).pred)
+    assert saved[0] == 0 and saved[-1] > saved[1] > 0  # the first prompt is prefilled whole, then shared
+    assert 0 < len(prefix.ids) < len(a.ids_old) and running.tokens_saved == prefix.tokens_saved
 
 
 def test_an_edit_the_tokenizer_cannot_see_is_refused_not_ranked(toy, tmp_path):
@@ -131,7 +158,7 @@ def test_calibrate_command_writes_a_policy_and_resumes_with_a_larger_budget(tmp_
     again = cli("calibrate", TOY_SPEC, "--model", "toy-qwen2", "--max-pairs", "3", "--out", out)
     assert again.returncode == 1, again.stderr[-2000:]
     more = pd.read_parquet(out / "calibration.parquet")
-    keep = ["field", "old_value", "new_value", "strategy", "answer", "oracle"]
+    keep = ["field", "old_value", "new_value", "strategy", "pred", "pred_oracle"]
     first_pairs = more.merge(rows[keep], on=keep, how="inner")
     assert len(first_pairs) == len(rows)  # the first two pairs of each field were read back, not redrawn
     assert len(more) == len(rows) * 3 // 2

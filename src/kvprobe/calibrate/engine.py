@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
+import torch
 import yaml
 
 from kvprobe.calibrate.stats import ALPHA_LOWER, ALPHA_UPPER, Sequence
@@ -154,10 +155,48 @@ def _pairs(spec: CalibrationSpec, name: str, seed: int, n: int):
         yield f"{i:05d}", (base, spec.fields[name].other(base[name], rng))
 
 
-def measure_pair(lm, spec: CalibrationSpec, name: str, base: dict[str, str], new: str, candidates: list[str],
-                 form: str = "auto") -> pd.DataFrame:
-    """One pair: a row per strategy (stale, oracle, each candidate), or one ``degenerate`` row."""
+class SharedPrefix:
+    """The old prompts' common beginning, prefilled once per calibration (a one-entry prefix cache,
+    as a serving engine's): every pair's old prompt starts with the template's text before its
+    first field, so the cache there is computed once and each pair's old cache continues it. The
+    prefix is the longest common beginning of the prompts seen so far: set by the second prompt and
+    cropped (never recomputed) when a later one shares fewer tokens. ``tokens_saved`` counts the
+    prompt tokens not prefilled again."""
+
+    def __init__(self, lm):
+        self.lm, self.ids, self.cache, self.tokens_saved = lm, None, None, 0
+
+    def old_cache(self, ids: list[int]):
+        """The cache of ``ids`` (an old prompt up to its decision token), from the shared prefix."""
+        from kvprobe.kv import cache as kvcache
+
+        n = 0
+        if self.ids is not None:
+            limit = min(len(self.ids), len(ids) - 1)  # at least one token is run on top of the prefix
+            while n < limit and self.ids[n] == ids[n]:
+                n += 1
+        if n == 0:  # the first prompt, or one that shares nothing: prefilled whole, and kept
+            _, cache = kvcache.prefill(self.lm.model, torch.tensor(ids), logits_to_keep=1)
+            self.ids, self.cache = list(ids), kvcache.copy(cache)
+            return cache
+        if n < len(self.ids):
+            self.ids, self.cache = self.ids[:n], kvcache.copy(kvcache.crop(self.cache, n))
+        cache = kvcache.copy(self.cache)
+        kvcache.forward(self.lm.model, torch.tensor(ids[n:]), cache, logits_to_keep=1)
+        self.tokens_saved += n
+        return cache
+
+
+def measure_pair(lm, spec: CalibrationSpec, name: str, base: dict[str, str], new: str, candidates: list,
+                 form: str = "auto", prefix: SharedPrefix | None = None) -> pd.DataFrame:
+    """One pair: a row per strategy (stale, oracle, each candidate) from the one measurement core
+    (:func:`kvprobe.editor.score.measure_strategies`, edits.parquet's columns, plus the pair's
+    values, ``to_decision_s`` and ``changed``), or one skipped row. The old prompt's cache
+    continues ``prefix`` where one is given; the oracle is always a full prefill of the new prompt."""
     from kvprobe.api import aligned_edit
+    from kvprobe.editor.context import EditContext, make_context
+    from kvprobe.editor.score import measure_strategies
+    from kvprobe.editor.strategies import parse_strategy
 
     ctx = context_for(lm, spec, base, form)
     head = {"field": name, "old_value": base[name], "new_value": new,
@@ -173,28 +212,21 @@ def measure_pair(lm, spec: CalibrationSpec, name: str, base: dict[str, str], new
         raise KvprobeError(f"{a.ids_old.count(unk)} of the {len(a.ids_old)} tokens of the template are unknown to "
                            f"{lm.info.spec}'s tokenizer ([UNK]): its edits change little the model can see; use a "
                            f"model whose tokenizer covers the template's words")
-    stale = ctx.read().answer()
-    t0 = time.perf_counter()
-    oracle = ctx.edit(strategy="oracle", **{name: new})
-    want = oracle.answer()
-    oracle_s = time.perf_counter() - t0
-    rows = [{**head, "strategy": "stale", "answer": stale, "oracle": want, "stale": stale},
-            {**head, "strategy": "oracle", "answer": want, "oracle": want, "stale": stale,
-             "frac_recomputed": oracle.frac_recomputed, "repair_s": oracle.repair_s, "to_decision_s": oracle_s}]
-    for s in candidates:
-        try:
-            t0 = time.perf_counter()
-            st = ctx.edit(strategy=s, **{name: new})
-            answer = st.answer()
-            rows.append({**head, "strategy": s, "answer": answer, "oracle": want, "stale": stale,
-                         "frac_recomputed": st.frac_recomputed, "repair_s": st.repair_s,
-                         "to_decision_s": time.perf_counter() - t0, "chose": st.chose})
-        except KvprobeError as exc:  # the repair cannot do this edit (e.g. another token count): it fails it
-            rows.append({**head, "strategy": s, "answer": None, "oracle": want, "stale": stale, "error": str(exc)})
-    df = pd.DataFrame(rows)
+    typed = [parse_strategy(c) if isinstance(c, str) else c for c in candidates]
+    with lm.lock:
+        D = a.decision_pos
+        ec = (EditContext(lm, a, prefix.old_cache(a.ids_old[:D])) if prefix is not None else make_context(lm, a))
+        df = measure_strategies(lm, a, typed, ctx=ec)
+    stale = df.loc[df.strategy == "stale", "pred"].iloc[0]
+    df.insert(0, "field", name)
+    for i, (k, v) in enumerate(head.items()):
+        if k != "field":
+            df.insert(i, k, v)
+    df["to_decision_s"] = df.wall_s + df.decide_s
+    df["chose"] = [c if isinstance(c, str) and c else s for c, s in zip(df.chose, df.strategy)]
     df["degenerate"], df["skip"] = False, None
-    df["changed"] = df.oracle != df.stale
-    df["agree"] = df.answer == df.oracle
+    df["changed"] = df.pred_oracle != stale
+    df["agree"] = df.agree.astype("boolean").fillna(False).astype(bool)  # a repair that could not run fails
     return df
 
 
@@ -206,6 +238,7 @@ class Calibration:
     summary: pd.DataFrame
     policy: dict
     fields: list[FieldResult]
+    prefix_tokens_saved: int = 0  # old-prompt tokens not prefilled again (SharedPrefix), this session
 
 
 def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CANDIDATES, threshold: float = 0.95,
@@ -229,6 +262,8 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
                          f"{', '.join(bad) or 'none'}")
     if not 0 < threshold < 1:
         raise UsageError(f"threshold must be in (0, 1), got {threshold}")
+    typed = [parse_strategy(s) for s in candidates]
+    prefix = SharedPrefix(lm)  # the template before its first field: prefilled once, for every field's pairs
     seq = Sequence(threshold=threshold, m=len(candidates))
     change_seq = Sequence(threshold=threshold)
     frames, results = [], []
@@ -238,7 +273,7 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
         start = time.perf_counter()
 
         def one(pair, name=name):
-            return measure_pair(lm, spec, name, pair[0], pair[1], candidates, form)
+            return measure_pair(lm, spec, name, pair[0], pair[1], typed, form, prefix)
 
         loop = parts(name).each(items, one) if parts is not None else ((k, one(p), False) for k, p in items)
         for _, df, _ in loop:
@@ -277,7 +312,7 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
     rows = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     summary = summarize(rows, results, seq, change_seq, candidates)
     policy = policy_of(lm, spec, results, summary, seq, change_seq, candidates, max_pairs)
-    return Calibration(rows, summary, policy, results)
+    return Calibration(rows, summary, policy, results, prefix.tokens_saved)
 
 
 def _decide(res: FieldResult, seq: Sequence, candidates: list[str], final: bool = False) -> bool:

@@ -66,6 +66,7 @@ def calibrate(spec: Path = typer.Argument(..., help="a calibration spec (YAML: t
     policy_path = field_policy.write(cal.policy, out / POLICY_FILE)
     folder.write(MANIFEST, folder.manifest(lm, kvprobe_calibrate=1, spec=str(spec), template=cal.policy["template"],
                                            settings=folder.settings, method=cal.policy["method"],
+                                           prefix_tokens_saved=cal.prefix_tokens_saved,
                                            fields={f.name: {"pairs": f.pairs, "skipped": f.skipped,
                                                             "minutes": round(f.seconds / 60, 2)} for f in cal.fields}))
     print_table(cal, model, threshold)
