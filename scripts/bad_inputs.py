@@ -344,6 +344,8 @@ def inputs(s: Path) -> list[Bad]:
         Bad(["run", "--model", "toy-qwen2", "--n", "3", "--out", "run"], "run --out a run with other settings", 2),
         Bad(["run", "--model", "toy-qwen2", "--n", "2", "--out", "a-file.txt"], "run --out a file", 2),
         Bad(["run", "--model", "toy-qwen2", "--n", "2", "--out", ro], ro_what, 2),
+        Bad(["run", "--model", "toy-qwen2", "--threshold", "1.5"], "run --threshold above 1", 2),
+        Bad(["run", "--model", "toy-qwen2", "--budget", "0"], "run --budget 0 (a sized run checks no case)", 2),
         Bad(["validate", *tiny, "--n", "2", "--out", "a-file.txt"], "validate --out a file", 2),
         Bad(["report", "run", "--out", "existing-folder"], "report --out an existing folder", 2),
         Bad(["datasets", "generate", "--n", "2", "--out", "existing-folder"], "datasets generate --out a folder", 2),

@@ -206,9 +206,10 @@ def test_cli_help_facts_match_their_homes():
     assert options.STRATEGY_GRAMMAR == ", ".join(c.grammar() for c in builtin)
     assert options.PROBES == ", ".join(n for n, s in STAGES.items() if s.build.__module__.startswith("kvprobe.probes"))
     cfg = RunConfig()
-    assert (cfg.model, cfg.n, cfg.min_flip, cfg.form, tuple(cfg.strategies)) == (
-        options.DEFAULTS["model"], options.DEFAULTS["n"], options.DEFAULTS["min_flip"], options.DEFAULTS["form"],
-        DEFAULT_STRATEGIES)
+    assert (cfg.model, cfg.budget, cfg.threshold, cfg.min_flip, cfg.form, tuple(cfg.strategies)) == (
+        options.DEFAULTS["model"], options.DEFAULTS["budget"], options.DEFAULTS["threshold"],
+        options.DEFAULTS["min_flip"], options.DEFAULTS["form"], DEFAULT_STRATEGIES)
+    assert cfg.n is None and cfg.sizing()["per_leg"] == 73  # a run sizes itself unless --n is given
 
 
 def test_plain_progress_and_no_third_party_noise_in_logs(tmp_path):

@@ -210,3 +210,27 @@ def test_a_results_table_is_read_by_the_kinds_of_its_columns(tmp_path):
     with pytest.raises(KvprobeError, match=r"no column recovery, cot"):
         ok.to_parquet(path)
         read_table(path, ("case_id", "recovery", "cot"))
+
+
+def test_a_sized_run_stops_on_its_targets_or_says_its_budget_ran_out(tmp_path):
+    """Without n, a run checks cases in order until each leg of the repair rule can be established
+    (here threshold 0.8: 16 valid decision cases, 16 valid controls) and no further; with too small a
+    budget it checks every case and says which target fell short. summary.json records both."""
+    from kvprobe.models import load_model
+    from kvprobe.reports.summary import write_summary
+
+    toy = load_model("toy-qwen2")
+    base = dict(model="toy-qwen2", threshold=0.8, probes=[], strategies=["stale", "field_only", "oracle"])
+    manifest = P.run(P.RunConfig(**base, budget=150), tmp_path / "sized", lm=toy)
+    sizing = manifest["sizing"]
+    assert sizing["per_leg"] == 16 and sizing["stopped"] == "targets reached"
+    assert sizing["valid_decision_found"] == 16 and sizing["valid_controls_found"] == 16
+    assert manifest["counts"]["checked"] == sizing["checked"] < manifest["counts"]["aligned"] == 150
+    validity = pd.read_parquet(tmp_path / "sized" / "validity.parquet")
+    assert len(validity) == sizing["checked"] and int((validity.valid & ~validity.control).sum()) == 16
+    summary = json.loads(write_summary(tmp_path / "sized").read_text())
+    assert summary["validity"]["sizing"] == sizing and "stopped there, on validity alone" in summary["headline"][-1]
+
+    short = P.run(P.RunConfig(**base, budget=30), tmp_path / "short", lm=toy)["sizing"]
+    assert short["stopped"] == "budget ran out" and short["checked"] <= 30
+    assert "valid controls of the 16 needed" in short["reason"] and "larger --budget" in short["reason"]
