@@ -249,8 +249,8 @@ def _sized_validity(cfg: RunConfig, sel: Selection, folder: ResultsFolder, check
     if not reached:
         short = [f"{got[c]} valid {'controls' if c else 'decision cases'} of the {want[c]} needed"
                  for c in (False, True) if got[c] < want[c]]
-        sizing["reason"] = (f"the budget ran out: all {len(sel.aligned)} aligned cases of {cfg.budget} were checked and "
-                            f"found {' and '.join(short)}; a larger --budget (or a model that answers more cases "
+        sizing["reason"] = (f"the budget ran out: the {len(sel.aligned)} aligned cases of the budget of {cfg.budget} "
+                            f"held {' and '.join(short)}; a larger --budget (or a model that answers more cases "
                             f"right) can establish more")
     sel.sizing = sizing
     return pd.concat(checked, ignore_index=True) if checked else pd.DataFrame()
