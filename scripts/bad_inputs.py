@@ -23,6 +23,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import stat
@@ -298,7 +299,7 @@ def _prepare_schemas(s: Path) -> None:
         folder.mkdir()
         (folder / name).write_text(json.dumps({key: 2, "model": {"spec": "toy-qwen2"}}))
     run = _copy_results(s / "run", s / "sch-topk-newer-folder")
-    (run / "topk.yaml").write_text(good.replace("schema_version: 3", "schema_version: 9", 1))
+    (run / "topk.yaml").write_text(re.sub(r"schema_version: \d+", "schema_version: 9", good, count=1))
     # family files, one folder each for KVPROBE_FAMILY_PATH (llama: the built-in file, copied as it is)
     llama = (resources.files("kvprobe.models") / "families" / "llama.yaml").read_bytes()
     for name, content in (("utf8", b"family: mine\n\xff\xfe\n"), ("folder", None), ("empty", b""),
