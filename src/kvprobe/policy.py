@@ -140,9 +140,10 @@ class Policy:
         entry = (self.fields or {}).get(name)
         if not entry or not entry.get("repair"):
             return None
-        leg = "agreement" if entry["kind"] == "decides" else "the decision kept on negative controls"
-        return entry["repair"], (f"policy {self.path}: {name} is a field that {'decides' if entry['kind'] == 'decides' else 'must not matter'}; "
-                                 f"{entry['repair']} is the cheapest repair established on {leg} at {self.threshold:g}")
+        decides = entry["kind"] == "decides"
+        leg = "agreement" if decides else "the decision kept on negative controls"
+        return entry["repair"], (f"policy {self.path}: {name} is a field that {'decides' if decides else 'must not matter'}"
+                                 f"; {entry['repair']} is the cheapest repair established on {leg} at {self.threshold:g}")
 
     def ranking(self) -> RankingRule:
         """The learned causal ranking rule (usable as an EditContext ranking, e.g. for
