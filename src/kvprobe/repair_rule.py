@@ -120,6 +120,13 @@ def choose(candidates: list[Candidate], threshold: float) -> tuple[Candidate | N
     return (ok[0] if ok else None), ok
 
 
+def cheapest_on(candidates: list[Candidate], leg: str, threshold: float) -> Candidate | None:
+    """The cheapest candidate established on one leg alone (``agreement`` or ``kept``): the repair
+    for the fields that decide, or for the fields that must not matter."""
+    ok = [c for c in candidates if getattr(c, leg).status(threshold) == "established"]
+    return min(ok, key=Candidate.cost, default=None)
+
+
 def closest(candidates: list[Candidate]) -> Candidate | None:
     """The candidate nearest to being established: the highest lower bound of its weaker leg, then cheapest."""
     def key(c: Candidate):

@@ -29,8 +29,8 @@ import yaml
 from kvprobe.editor.strategies import Erratum, parse_strategy
 from kvprobe.errors import KvprobeError
 from kvprobe.metrics import mean_ci, proportion, wilson_ci
-from kvprobe.policy import SCHEMA_VERSION, TOPK_FILE
-from kvprobe.repair_rule import Candidate, Leg, cases_at_rate, cases_to_establish, is_repair
+from kvprobe.policy import SCHEMA_VERSION, TOPK_FILE, Evidence, candidate
+from kvprobe.repair_rule import cases_at_rate, cases_to_establish, cheapest_on, is_repair
 from kvprobe.results import (
     EDITS,
     MANIFEST,
@@ -228,13 +228,9 @@ def field_repairs(rows: pd.DataFrame, evidence: list[dict], threshold: float) ->
     """Per edited field: its kind (``decides``: its edits are decision cases; ``must not matter``: negative
     controls) and the cheapest repair the one rule (:mod:`kvprobe.repair_rule`) establishes on that
     kind's leg alone (agreement, or the decision kept), or null. ``auto`` reads it per field."""
-    cands = [Candidate(e["spec"], Leg.of(e["agreement"], e["n"]), Leg.of(e["control_invariance"], e["n_controls"]),
-                       e["frac_recomputed"], e["wall_s"]) for e in evidence
-             if is_repair(e["spec"]) and e["frac_recomputed"] is not None]
-    best = {}
-    for kind, leg in (("decides", "agreement"), ("must not matter", "kept")):
-        ok = sorted((c for c in cands if getattr(c, leg).status(threshold) == "established"), key=Candidate.cost)
-        best[kind] = ok[0].name if ok else None
+    cands = [candidate(Evidence(**e)) for e in evidence if is_repair(e["spec"]) and e["frac_recomputed"] is not None]
+    best = {kind: getattr(cheapest_on(cands, leg, threshold), "name", None)
+            for kind, leg in (("decides", "agreement"), ("must not matter", "kept"))}
     if "field" not in rows:  # a table written without fields: nothing per field
         return {}
     valid = rows[rows.valid.astype(bool)]

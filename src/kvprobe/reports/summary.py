@@ -35,7 +35,7 @@ from kvprobe.defaults import DEFAULT_THRESHOLD, GATE_SEAM, GATE_THRESHOLD
 from kvprobe.editor.topk import held_out_decisions, k_star_for, k_sweep
 from kvprobe.metrics import summarize_edits, valid_case_ids
 from kvprobe.reports.folder import Run, load_run
-from kvprobe.repair_rule import RULE, Candidate, Leg, cases_to_establish, choose, closest, is_repair
+from kvprobe.repair_rule import RULE, Candidate, Leg, cases_to_establish, cheapest_on, choose, closest, is_repair
 from kvprobe.reports.stats import Stat
 from kvprobe.results import COMPOSE, EDITS, LOCALITY, VALIDITY, atomic_write_json
 from kvprobe.sweep.summary import FIELD_ABOVE, NOTES_BELOW, verdict
@@ -208,11 +208,8 @@ def repair(rows: list[dict], threshold: float) -> dict | None:
     near = pick or closest(list(cands.values()))
     r = next(x for x in tried if x["strategy"] == near.name)
     need = cases_to_establish(threshold)
-    by_kind = {}
-    for kind, leg in (("decision_fields", "agreement"), ("control_fields", "kept")):
-        est = sorted((c for c in cands.values() if getattr(c, leg).status(threshold) == "established"),
-                     key=Candidate.cost)
-        by_kind[kind] = est[0].name if est else None
+    by_kind = {kind: getattr(cheapest_on(list(cands.values()), leg, threshold), "name", None)
+               for kind, leg in (("decision_fields", "agreement"), ("control_fields", "kept"))}
     out = {"rule": REPAIR_RULE, "threshold": threshold, "recommended": pick.name if pick else None,
            "closest": None if pick else near.name, "qualifying": [c.name for c in ok], "cases_to_establish": need,
            "per_field": by_kind, "why_not": None if pick else near.why_not(threshold)}
