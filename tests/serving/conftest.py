@@ -13,9 +13,8 @@ import pytest
 MODEL = "smollm2-135m"
 
 
-@pytest.fixture(scope="session")
-def byte_tokenizer():
-    """One token per byte (no merges, no chat template): prompts of a known, exact length."""
+def make_byte_tokenizer(chat_template: str | None = None):
+    """One token per byte (no merges): prompts of a known, exact length."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -23,17 +22,30 @@ def byte_tokenizer():
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok)
+    out = PreTrainedTokenizerFast(tokenizer_object=tok)
+    if chat_template:
+        out.chat_template = chat_template
+    return out
+
+
+@pytest.fixture(scope="session")
+def byte_tokenizer():
+    """The byte tokenizer, no chat template."""
+    return make_byte_tokenizer()
 
 
 class FakeVllm:
     """An OpenAI-compatible server on 127.0.0.1 with vLLM's metric names and block-granular caching.
 
     ``die_after``: close the listening socket after that many completions (a server that dies).
+    ``tokenizer`` (with a chat template) and ``decide`` (prompt text -> option) serve chat
+    completions: the messages through the template, the answer's first token with top logprobs as
+    token ids, as vLLM streams them (tests/data/serving/vllm_chat_stream.json is a recorded one).
     """
 
-    def __init__(self, block: int = 32, die_after: int | None = None):
+    def __init__(self, block: int = 32, die_after: int | None = None, tokenizer=None, decide=None):
         self.block, self.die_after = block, die_after
+        self.tokenizer, self.decide = tokenizer, decide
         self.blocks: set[tuple] = set()
         self.queries = self.hits = 0
         self.completions = 0
@@ -66,8 +78,45 @@ class FakeVllm:
                 else:
                     self._send(404, "{}")
 
+            def _chat(self, body):
+                tok = fake.tokenizer
+                text = tok.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True)
+                prompt = tok(text, add_special_tokens=False)["input_ids"]
+                cached = fake.prefill(prompt)
+                answer = fake.decide(text)
+                other = "no" if answer == "yes" else "yes"
+                first = {o: tok.encode(o, add_special_tokens=False)[0] for o in (answer, other)}
+                top = [{"token": f"token_id:{first[answer]}", "logprob": -0.1},
+                       {"token": f"token_id:{first[other]}", "logprob": -2.4}]
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
+                         "choices": [{"index": 0, "delta": {"role": "assistant", "content": answer},
+                                      "logprobs": {"content": [{"token": top[0]["token"], "logprob": -0.1,
+                                                                "top_logprobs": top}]}}]}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                usage = {"prompt_tokens": len(prompt), "completion_tokens": 1, "total_tokens": len(prompt) + 1,
+                         "prompt_tokens_details": {"cached_tokens": cached}}
+                last = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": MODEL, "choices": [],
+                        "usage": usage}
+                self.wfile.write(f"data: {json.dumps(last)}\n\n".encode())
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path.endswith("/chat/completions"):
+                    self._chat(body)
+                else:
+                    self._completion(body)
+                with fake.lock:
+                    fake.completions += 1
+                    if fake.die_after is not None and fake.completions >= fake.die_after:
+                        threading.Thread(target=fake.close, daemon=True).start()
+
+            def _completion(self, body):
                 prompt = body["prompt"]
                 cached = fake.prefill(prompt)
                 answer = " yes" if sum(prompt) % 2 == 0 else " no"
@@ -83,10 +132,6 @@ class FakeVllm:
                 self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
-                with fake.lock:
-                    fake.completions += 1
-                    if fake.die_after is not None and fake.completions >= fake.die_after:
-                        threading.Thread(target=fake.close, daemon=True).start()
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -132,6 +177,16 @@ def fake_vllm():
             s.close()
         except OSError:
             pass
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chat_byte_tokenizer():
+    """The byte tokenizer with a small chat template (a prompt state renders chat messages)."""
+    return make_byte_tokenizer(CHAT_TEMPLATE)
 
 
 @pytest.fixture

@@ -415,12 +415,22 @@ def one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
         assert needle in lines[0], lines[0]
 
 
+AGENT_SPEC = str(Path(__file__).resolve().parents[2] / "examples" / "agent-refund.yaml")
+
+
 @pytest.mark.parametrize("args, needles", [
     (["serve-bench", "--model", "llama-9000", "--url", "http://127.0.0.1:9"], ["unknown model", "smollm2-135m"]),
     (["serve-bench", "--model", MODEL, "--url", "http://127.0.0.1:9"], ["cannot reach", "127.0.0.1:9"]),
     (["serve-bench", "--model", MODEL, "--rates", "1,fast"], ["bad rate 'fast'"]),
     (["serve-bench", "--model", MODEL, "--arms", "erratum,rewrite"], ["unknown arm", "edit_unique"]),
     (["serve-bench", "--model", MODEL], ["not set up", "kvprobe serve setup"]),
+    (["serve-bench", "--model", MODEL, "--workload", "agent"], ["needs --spec"]),
+    (["serve-bench", "--model", MODEL, "--workload", "agent", "--spec", AGENT_SPEC, "--n", "3"],
+     ["--n does not apply to the agent workload"]),
+    (["serve-bench", "--model", MODEL, "--spec", AGENT_SPEC],
+     ["--spec does not apply to the single workload"]),
+    (["serve-bench", "--model", MODEL, "--workload", "agent", "--spec", AGENT_SPEC, "--arms",
+      "rerender,psychic"], ["unknown arm", "policy"]),
     (["serve", "start", "--model", "llama-9000"], ["not set up"]),
     (["serve", "stop"], ["no kvprobe vLLM server is running"]),
 ])

@@ -70,3 +70,38 @@ def test_erratum_keeps_the_prefix_cache_and_the_edit_does_not(vllm_server, tmp_p
     assert (s.hit_rate_usage <= s.ceiling + 1e-9).all()  # the ceiling bounds each arm (sums: order-free)
     assert erratum.ttft_p50 < edit.ttft_p50  # a cached prefix is faster to the first token
 
+
+
+@pytest.mark.timeout(BUDGET_S)
+def test_the_prompt_state_on_vllm(vllm_server, tmp_path):
+    """The prompt state's messages on the real engine: the server's chat template gives kvprobe's
+    token ids, a note after the cached prefix hits its blocks, the decision comes from the logprobs;
+    then the agent workload end to end (its rerender and erratum arms: SmolLM2 has no field policy)."""
+    from kvprobe.calibrate.engine import load_spec
+    from kvprobe.datasets.spans import option_ids
+    from kvprobe.serving import agent, client
+    from kvprobe.serving.bench import load_tokenizer
+    from kvprobe.serving.state import PromptState
+
+    state, _ = vllm_server
+    tok = load_tokenizer(MODEL)
+    spec = load_spec("examples/calibrate-refund-clear.yaml")
+    ps = PromptState(spec, {"tier": "bronze", "received": "2026-01-02 03:04", "request_id": "req-271828"})
+    first = client.stream_chat(state.url, MODEL, ps.messages())
+    ps.update(tier="gold")
+    second = client.stream_chat(state.url, MODEL, ps.messages())
+    assert first.error is None and second.error is None, (first.error, second.error)
+    ids = {o: option_ids(tok, o) for o in spec.options}
+    assert second.prompt_tokens == len(ps.ids(tok)) and first.prompt_tokens < second.prompt_tokens
+    shared = measure.shared_prefix(PromptState(spec, ps.prefix).ids(tok), ps.ids(tok))
+    assert second.cached_tokens == state.block_size * (shared // state.block_size)  # every full block of the prefix
+    assert len(second.top_logprobs) == client.TOP_LOGPROBS and client.decide(second.top_logprobs, ids)[0] != "?"
+
+    cfg = agent.AgentConfig(model=MODEL, spec="examples/calibrate-refund-clear.yaml", gating=["tier"],
+                            arms=["rerender", "erratum"], rates=[math.inf], sessions=3, turns=2, policy_tokens=1000)
+    df = pd.read_parquet(agent.AgentBench(cfg, state.url, tmp_path / "agent").run())
+    s = agent.summarize(df).set_index("arm")
+    print(f"\n{s.round(3).to_string()}")
+    assert df["ok"].all() and len(df) == 2 * 3 * 2 and (df["prompt_tokens"] == df["local_tokens"]).all()
+    assert (s.hit_rates_agree == True).all()  # noqa: E712
+    assert s.loc["erratum", "hit_rate_metrics"] > 0.8 > 0.2 > s.loc["rerender", "hit_rate_metrics"]

@@ -111,39 +111,111 @@ def print_summary(summary, ratios, title: str) -> None:
         console.print(t)
 
 
+AGENT_ONLY = ("spec", "field_policy", "sessions", "turns", "gating_share", "gating")
+SINGLE_ONLY = ("n", "domain", "erratum_template")
+
+
+def print_agent_summary(summary, title: str) -> None:
+    from kvprobe.serving.measure import rate_label
+
+    table = Table(title=title)
+    for col in ("rate /s", "arm", "ok/n", "hit rate", "ceiling", "TTFT p50", "p90", "req/s", "notes", "ties",
+                "gating: agree [95% CI]", "inert: agree [95% CI]"):
+        table.add_column(col, justify="right", no_wrap=col == "arm")
+
+    def agree(r, kind: str) -> str:
+        k, n = getattr(r, f"{kind}_k"), getattr(r, f"{kind}_n")
+        if not n:
+            return "n/a (n=0)"
+        return f"{k}/{n} [{_fmt(getattr(r, f'{kind}_lo'), 2)}, {_fmt(getattr(r, f'{kind}_hi'), 2)}]"
+
+    for r in summary.itertuples():
+        ref = r.arm == "rerender"
+        table.add_row(rate_label(r.rate), r.arm, f"{r.ok}/{r.n}", _fmt(r.hit_rate_metrics, 1, 100, "%"),
+                      _fmt(r.ceiling, 1, 100, "%"), _fmt(r.ttft_p50, 0, 1000, " ms"), _fmt(r.ttft_p90, 0, 1000, " ms"),
+                      _fmt(r.throughput, 2), _fmt(r.notes_share, 0, 100, "%"), str(r.ties),
+                      "reference" if ref else agree(r, "gating"), "reference" if ref else agree(r, "inert"))
+    console.print(table)
+    bad = [f"{rate_label(r.rate)}/{r.arm}" for r in summary.itertuples() if r.hit_rates_agree is False]
+    if bad:
+        console.print(f"[yellow]note:[/yellow] /metrics and usage hit rates differ in {', '.join(bad)}")
+
+
 def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF folder) the server serves"),
                 url: str | None = typer.Option(None, help="an OpenAI-compatible vLLM server; default: kvprobe's "
                                                           "running server, or one started (and stopped) for this run"),
-                out: Path | None = typer.Option(None, help="results folder (default results/serving-MODEL)"),
-                rates: str = typer.Option("0.5,1,2,inf", help="Poisson arrival rates per second; inf = saturation"),
-                n: int = typer.Option(16, min=1, help="requests per (rate, arm) run"),
-                max_s: float = typer.Option(60.0, min=1, help="per run: no new request after this many seconds"),
-                arms: str = typer.Option("unchanged,edit_unique,edit_set,erratum", help="arms to run"),
-                policy_tokens: int = typer.Option(1500, help="length of the static policy prompt (1000-8000)"),
-                domain: str | None = typer.Option(None, help="the policy's domain (default: seeded choice)"),
-                erratum_template: str = typer.Option("short", help="paper, short, a top-K YAML file (its "
-                                                                   "erratum_template) or a literal template"),
+                out: Path | None = typer.Option(None, help="results folder (default results/serving-MODEL, "
+                                                           "results/agent-MODEL for the agent workload)"),
+                workload: str = typer.Option("single", help="single: one decision field, four arms; agent: "
+                                                            "sessions whose fields change every turn"),
+                rates: str | None = typer.Option(None, help="Poisson arrival rates per second; inf = saturation "
+                                                            "[single: 0.5,1,2,inf; agent: 0.2,inf]"),
+                n: int | None = typer.Option(None, min=1, help="single: requests per (rate, arm) run [16]"),
+                max_s: float | None = typer.Option(None, min=1, help="per run: no new request after this many "
+                                                                     "seconds [single: 60; agent: 600]"),
+                arms: str | None = typer.Option(None, help="arms to run [single: unchanged,edit_unique,edit_set,"
+                                                           "erratum; agent: rerender,erratum,policy]"),
+                policy_tokens: int = typer.Option(1500, help="length of the static policy prompt (1000-8000; "
+                                                             "agent: 0 serves the template as it is)"),
+                domain: str | None = typer.Option(None, help="single: the policy's domain (default: seeded choice)"),
+                erratum_template: str | None = typer.Option(None, help="single: paper, short [default], a top-K "
+                                                                       "YAML file or a literal template"),
+                spec: Path | None = typer.Option(None, help="agent: the template, a calibration spec (YAML)"),
+                field_policy: Path | None = typer.Option(None, help="agent: its field_policy.yaml from `kvprobe "
+                                                                    "calibrate` (the policy arm; the gating fields)"),
+                sessions: int | None = typer.Option(None, min=1, help="agent: sessions per rate [8]"),
+                turns: int | None = typer.Option(None, min=1, help="agent: turns per session, one field update "
+                                                                   "each [6]"),
+                gating_share: float | None = typer.Option(None, min=0, max=1, help="agent: share of turns that "
+                                                                                   "update a gating field [0.25]"),
+                gating: str | None = typer.Option(None, help="agent: the gating fields (default: those the field "
+                                                             "policy measured as moving the decision)"),
                 seed: int = 0) -> None:
     """Erratum against in-prefix edit under Poisson load: prefix-cache hit rate, TTFT, throughput and
-    decision agreement, into RESULTS/serving.parquet (resumable: run it again after a crash)."""
+    decision agreement, into RESULTS/serving.parquet (the agent workload: RESULTS/agent.parquet;
+    resumable: run it again after a crash)."""
     import time
 
     from pydantic import ValidationError
 
     from kvprobe.results import SERVING_MANIFEST, refuse_foreign
-    from kvprobe.serving import bench, server
+    from kvprobe.serving import agent, bench, server
     from kvprobe.serving.client import ServerGone, normalize_url, served_models
     from kvprobe.serving.measure import parse_rates
 
+    given = {k: v for k, v in locals().items() if k in AGENT_ONLY + SINGLE_ONLY and v is not None}
+    if workload not in ("single", "agent"):
+        raise UsageError(f"unknown workload {workload!r}; accepted: single, agent")
+    foreign = [k for k in (SINGLE_ONLY if workload == "agent" else AGENT_ONLY) if k in given]
+    if foreign:
+        raise UsageError(f"--{foreign[0].replace('_', '-')} does not apply to the {workload} workload; "
+                         f"{'agent' if workload == 'single' else 'single'} only")
     try:
-        cfg = bench.BenchConfig(model=model, rates=parse_rates(rates), n=n, max_s=max_s,
-                                arms=opt.parse_csv(arms), policy_tokens=policy_tokens,
-                                seed=seed, domain=domain, erratum_template=erratum_template)
+        if workload == "agent":
+            if spec is None:
+                raise UsageError("the agent workload needs --spec TEMPLATE.yaml (a calibration spec, e.g. "
+                                 "examples/agent-refund.yaml)")
+            cfg = agent.AgentConfig(model=model, spec=str(spec), field_policy=str(field_policy) if field_policy
+                                    else None, rates=parse_rates(rates or agent.DEFAULT_RATES),
+                                    sessions=sessions or 8, turns=turns or 6,
+                                    gating_share=0.25 if gating_share is None else gating_share,
+                                    gating=opt.parse_csv(gating) if gating else None,
+                                    arms=opt.parse_csv(arms) if arms else list(agent.ARMS),
+                                    policy_tokens=policy_tokens, max_s=max_s or 600.0, seed=seed)
+            from kvprobe.calibrate.engine import load_spec
+
+            load_spec(spec)  # a bad template fails before any server starts
+        else:
+            cfg = bench.BenchConfig(model=model, rates=parse_rates(rates or bench.DEFAULT_RATES), n=n or 16,
+                                    max_s=max_s or 60.0, arms=opt.parse_csv(arms) if arms else list(bench.ARMS),
+                                    policy_tokens=policy_tokens, seed=seed, domain=domain,
+                                    erratum_template=erratum_template or "short")
+            bench.resolve_template(cfg.erratum_template)  # a bad template fails before any server starts
     except ValidationError as exc:
         raise UsageError.from_validation(exc, "serve-bench") from None
-    bench.resolve_template(cfg.erratum_template)  # a bad template fails before any server starts
     bench.check_model(model)  # so does an unknown model
-    out = usable_out(out or Path("results") / f"serving-{Path(model).name}")
+    prefix = "agent" if workload == "agent" else "serving"
+    out = usable_out(out or Path("results") / f"{prefix}-{Path(model).name}")
     refuse_foreign(out, SERVING_MANIFEST)  # before a server starts: another command's folder is refused
     own = None
     if url is not None:
@@ -167,11 +239,12 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
             err_console.print(f"vLLM ready at {url} in {time.perf_counter() - t0:.0f} s (stopped after the run)")
     t0 = time.perf_counter()
     try:
-        total = len(cfg.rates) * len(cfg.arms) * cfg.n
         with progress_bar() as bar:
-            task = bar.add_task("serve-bench", total=total)
-            run = bench.Bench(cfg, url, out, progress=lambda msg: bar.update(task, description=msg),
-                              advance=lambda: bar.advance(task), facts={"own_server": own is not None})
+            task = bar.add_task("serve-bench", total=None)
+            kw = dict(progress=lambda msg: bar.update(task, description=msg), advance=lambda: bar.advance(task),
+                      facts={"own_server": own is not None})
+            run = agent.AgentBench(cfg, url, out, **kw) if workload == "agent" else bench.Bench(cfg, url, out, **kw)
+            bar.update(task, total=run.total())
             path = run.run()
     except ServerGone as exc:
         if own is not None:
@@ -180,7 +253,21 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
     finally:
         if own is not None:
             server.stop(own)
-    summary, ratios = bench.summarize_folder(out)
-    print_summary(summary, ratios, f"serve-bench {model}: {int(summary.prompt_tokens.mean())} prompt tokens, "
-                                   f"block size {run.block_size} ({time.perf_counter() - t0:.0f} s)")
+    wall = time.perf_counter() - t0
+    if workload == "agent":
+        import pandas as pd
+
+        summary = agent.summarize(pd.read_parquet(path))
+        print_agent_summary(summary, f"serve-bench --workload agent {model}: {int(summary.prompt_tokens.mean())} "
+                                     f"prompt tokens on average, block size {run.block_size} ({wall:.0f} s)")
+        console.print("agreement: with the rerender arm's decision for the same session and turn; ties: requests "
+                      "whose two options scored the same (the first option is taken)")
+        if run.calibrated_on in ("unpadded", "other"):
+            what = "the template without the policy clauses" if run.calibrated_on == "unpadded" else "another template"
+            console.print(f"[yellow]note:[/yellow] the field policy was calibrated on {what}; calibrate "
+                          f"{out / agent.SPEC_FILE} to measure it on exactly what was served")
+    else:
+        summary, ratios = bench.summarize_folder(out)
+        print_summary(summary, ratios, f"serve-bench {model}: {int(summary.prompt_tokens.mean())} prompt tokens, "
+                                       f"block size {run.block_size} ({wall:.0f} s)")
     console.print(f"wrote {path}")

@@ -98,6 +98,10 @@ def load_run(folder: Path | str, tables: tuple[str, ...] = ()) -> Run:
         run.compose_manifest = json_object(folder / COMPOSE_MANIFEST, what="a `kvprobe validate` manifest")
     if (folder / SERVING_MANIFEST).exists():
         run.serving_manifest = json_object(folder / SERVING_MANIFEST, what="a `kvprobe serve-bench` manifest")
+        if run.serving_manifest.get("workload") == "agent":
+            raise KvprobeError(f"{folder} holds the agent workload of `kvprobe serve-bench`, which the report does not "
+                               f"render; its table is kvprobe.serving.agent.summarize(pandas.read_parquet("
+                               f"'{folder / 'agent.parquet'}')), which serve-bench printed")
     if (folder / RANKING_RULE).exists():
         run.ranking_rule = json_object(folder / RANKING_RULE, what="a ranking rule")
     if (folder / TOPK_FILE).exists():

@@ -61,17 +61,12 @@ class BenchConfig(BaseModel):
     @field_validator("arms")
     @classmethod
     def _arms(cls, v: list[str]) -> list[str]:
-        bad = [a for a in v if a not in ARMS]
-        if bad or not v:
-            raise ValueError(f"unknown arm(s) {bad or '(none given)'}; accepted: {', '.join(ARMS)}")
-        return [a for a in ARMS if a in v]  # the canonical order: the oracle of edit_unique serves erratum
+        return measure.check_arms(v, ARMS)  # the canonical order: the oracle of edit_unique serves erratum
 
     @field_validator("rates")
     @classmethod
     def _rates(cls, v: list[float]) -> list[float]:
-        if not v or any(not r > 0 for r in v):
-            raise ValueError("rates must be positive (inf for saturation)")
-        return sorted(set(v))
+        return measure.check_rates(v)
 
 
 def resolve_template(name: str) -> str:
@@ -157,12 +152,18 @@ def pick_served(url: str, model: str) -> str:
 
 def fire(url: str, served: str, prompts: list[list[int]], schedule: list[float], max_s: float, max_tokens: int,
          on_done: Callable[[], None] = lambda: None) -> tuple[list[Completion | None], list[float], float]:
-    """Send ``prompts`` at ``schedule`` offsets, one thread each; wait for them all.
+    """Send the token-id ``prompts`` at ``schedule`` offsets (see :func:`fire_with`)."""
+    return fire_with(lambda i: stream_completion(url, served, prompts[i], max_tokens), schedule, max_s, on_done)
+
+
+def fire_with(send: Callable[[int], Completion], schedule: list[float], max_s: float,
+              on_done: Callable[[], None] = lambda: None) -> tuple[list[Completion | None], list[float], float]:
+    """Call ``send(i)`` for request ``i`` at its ``schedule`` offset, one thread each; wait for them all.
 
     Returns (completions, send offsets, wall seconds from the start to the last completion). A
     request not sent (past ``max_s``, or after the server went away) has completion None.
     """
-    n = len(prompts)
+    n = len(schedule)
     results: list[Completion | None] = [None] * n
     sent = [math.nan] * n
     finished = [math.nan] * n
@@ -170,7 +171,7 @@ def fire(url: str, served: str, prompts: list[list[int]], schedule: list[float],
     t0 = time.perf_counter()
 
     def one(i: int) -> None:
-        c = stream_completion(url, served, prompts[i], max_tokens)
+        c = send(i)
         finished[i] = time.perf_counter() - t0
         results[i] = c
         if c.server_gone:
@@ -194,25 +195,123 @@ def fire(url: str, served: str, prompts: list[list[int]], schedule: list[float],
     return results, sent, max(done) if done else 0.0
 
 
-class Bench:
-    """One benchmark against one server: the policy, the oracle answers and the ceiling state."""
+class ServerRun:
+    """What every serve-bench workload shares: the server (its name for the model, its metrics, its
+    block size), the tokenizer, the block ceiling, the results folder's parts and its claim.
 
-    def __init__(self, cfg: BenchConfig, url: str, out: Path, progress: Callable[[str], None] = lambda s: None,
+    A subclass sets ``TABLE`` and ``WORKLOAD`` and writes :meth:`manifest` (its own keys) and
+    :meth:`identity` (:meth:`base_identity` plus what else its rows are computed from).
+    """
+
+    TABLE = TABLE
+    WORKLOAD = "single"
+
+    def __init__(self, cfg, url: str, out: Path, progress: Callable[[str], None] = lambda s: None,
                  advance: Callable[[], None] = lambda: None, facts: dict | None = None):
         self.cfg, self.url, self.out, self.facts = cfg, url, Path(out), facts or {}
         self.progress, self.advance = progress, advance
         self.tok = load_tokenizer(cfg.model)
-        self.policy: Policy = build_policy(self.tok, cfg.policy_tokens, cfg.seed, cfg.domain,
-                                           template=resolve_template(cfg.erratum_template))
-        self.served = pick_served(url, cfg.model)
-        samples = measure.parse_prometheus(scrape_metrics(url))
+
+    def connect(self) -> None:
+        """Read the server: its name for the model, whether it counts prefix-cache hits, its block size."""
+        self.served = pick_served(self.url, self.cfg.model)
+        samples = measure.parse_prometheus(scrape_metrics(self.url))
         self.has_counters = measure.counter(samples, measure.QUERIES) is not None
         self.block_size = measure.block_size_of(samples)
-        self.base_ids = self.policy.ids(self.tok)
         self.ceiling = measure.BlockCeiling(self.block_size or 1)
-        self.oracle: dict[str, str] = {}
-        self.store = CaseStore(self.out, TABLE)
+        self.store = CaseStore(self.out, self.TABLE)
         self.salt = secrets.token_hex(4)  # a resumed folder keeps its own (see _check_resume)
+
+    def server_version(self) -> str | None:
+        try:
+            return get_json(f"{self.url}/version").get("version")
+        except (OSError, ValueError):
+            return None
+
+    def base_identity(self) -> dict:
+        """The weights and tokenizer of ``--model`` (by content), and the server's name for it, its
+        vLLM version and its KV block size. The server is trusted to serve ``--model``."""
+        from kvprobe.models.load import tokenizer_hash
+
+        return {"weights": weights_identity(self.cfg.model), "tokenizer_hash": tokenizer_hash(self.tok),
+                "served_model": self.served, "server_version": self.server_version(), "block_size": self.block_size}
+
+    def identity(self) -> dict:
+        return self.base_identity()
+
+    def _check_resume(self) -> None:
+        """A folder with a manifest is resumed: same workload, same configuration, same unique values
+        (its salt). A manifest that is not one, or is from a newer kvprobe, is refused (:func:`json_object`)."""
+        path = self.out / SERVING_MANIFEST
+        refuse_foreign(self.out, SERVING_MANIFEST)  # another command's folder, or files nobody claimed
+        if not path.exists():
+            return
+        manifest = json_object(path, what="a `kvprobe serve-bench` manifest")
+        if manifest.get("workload", "single") != self.WORKLOAD:
+            raise UsageError(f"{self.out} holds a serving run of the {manifest.get('workload', 'single')} workload; "
+                             f"give the {self.WORKLOAD} workload another --out")
+        self.salt = manifest.get("unique_salt", self.salt)
+        if manifest.get("config") != self.cfg.model_dump():
+            raise UsageError(f"{self.out} holds a serving run with another configuration; give another --out "
+                             f"or remove {path.name} and parts/{self.TABLE}/ there")
+
+    def claim(self) -> None:
+        """Check a resume, then record the manifest and what the rows are computed from (a resume
+        reuses only runs of the same model, server, tokenizer and inputs)."""
+        self._check_resume()
+        if self.block_size is None:
+            raise EnvironmentProblem(f"the server at {self.url} does not say its KV block size (no "
+                                     f"{measure.CACHE_INFO} in /metrics); kvprobe serve-bench needs a vLLM server")
+        identity = self.identity()
+        if (self.out / SERVING_MANIFEST).exists():  # checked before anything in the folder is rewritten
+            claim_identity(self.out, identity, self.cfg.model)
+        atomic_write_json(self.manifest(), self.out / SERVING_MANIFEST)
+        claim_identity(self.out, identity, self.cfg.model)
+
+    def manifest(self) -> dict:
+        raise NotImplementedError
+
+    def timed_run(self, send: Callable[[int], Completion], schedule: list[float], where: str):
+        """One timed run (:func:`fire_with`) between two reads of ``/metrics``, so that the prefix-cache
+        counters' deltas belong to it alone: (completions, send offsets, wall seconds, queries, hits).
+        A server gone during it is one line (:meth:`_gone_or_fail`)."""
+        before = measure.parse_prometheus(scrape_metrics(self.url))
+        results, sent, wall = fire_with(send, schedule, self.cfg.max_s, self.advance)
+        if any(c is not None and c.server_gone for c in results):
+            self._gone_or_fail(next(c.error for c in results if c is not None and c.server_gone), where)
+        try:
+            after = measure.parse_prometheus(scrape_metrics(self.url))
+        except ServerGone as exc:
+            self._gone_or_fail(str(exc), where)
+        queries, hits = measure.metrics_delta(before, after)
+        return results, sent, wall, queries, hits
+
+    def _gone_or_fail(self, error: str, where: str) -> None:
+        from kvprobe.serving.server import healthy
+
+        collected = self.collect()
+        kept = f"finished runs are saved in {collected}" if collected else "no run had finished"
+        what = "stopped answering" if not healthy(self.url) else "failed a request"
+        raise ServerGone(f"the server at {self.url} {what} during {where} ({error}); {kept}; "
+                         f"run the same command again to resume")
+
+    def collect(self) -> Path | None:
+        if not self.store.parts.exists() or not any(self.store.parts.glob("*.parquet")):
+            return None
+        return self.store.collect()
+
+
+class Bench(ServerRun):
+    """The single-field benchmark against one server: the policy, the oracle answers and the ceiling state."""
+
+    def __init__(self, cfg: BenchConfig, url: str, out: Path, progress: Callable[[str], None] = lambda s: None,
+                 advance: Callable[[], None] = lambda: None, facts: dict | None = None):
+        super().__init__(cfg, url, out, progress, advance, facts)
+        self.policy: Policy = build_policy(self.tok, cfg.policy_tokens, cfg.seed, cfg.domain,
+                                           template=resolve_template(cfg.erratum_template))
+        self.connect()
+        self.base_ids = self.policy.ids(self.tok)
+        self.oracle: dict[str, str] = {}
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def manifest(self) -> dict:
@@ -220,13 +319,9 @@ class Bench:
         e_ids = p.ids(self.tok, erratum_value=p.value_set[-1])
         shared = measure.shared_prefix(self.base_ids, e_ids)
         block = self.block_size or 0
-        try:
-            version = get_json(f"{self.url}/version").get("version")
-        except (OSError, ValueError):
-            version = None
         return {**version_entry(SERVING_MANIFEST), "command": "serve-bench", "config": self.cfg.model_dump(),
                 "unique_salt": self.salt, "url": self.url, **self.facts,
-                "served_model": self.served, "server_version": version, "block_size": self.block_size,
+                "served_model": self.served, "server_version": self.server_version(), "block_size": self.block_size,
                 "prefix_cache_counters": self.has_counters,
                 "policy": {"domain": p.case.domain, "field": p.field, "base_value": p.base_value,
                            "value_set": list(p.value_set), "form": p.form, "erratum_template": p.template,
@@ -234,32 +329,6 @@ class Bench:
                            "erratum_shared_tokens": shared,
                            "erratum_ceiling": measure.static_ceiling(shared, len(e_ids), block) if block else None,
                            "example_erratum": p.text(self.tok, erratum_value=p.value_set[-1])[-400:]}}
-
-    def _check_resume(self) -> None:
-        """A folder with a manifest is resumed: same configuration, same unique values (its salt). A
-        manifest that is not one, or is from a newer kvprobe, is refused (:func:`json_object`)."""
-        path = self.out / SERVING_MANIFEST
-        refuse_foreign(self.out, SERVING_MANIFEST)  # another command's folder, or files nobody claimed
-        if not path.exists():
-            return
-        manifest = json_object(path, what="a `kvprobe serve-bench` manifest")
-        self.salt = manifest.get("unique_salt", self.salt)
-        if manifest.get("config") != self.cfg.model_dump():
-            raise UsageError(f"{self.out} holds a serving run with another configuration; give another --out "
-                             f"or remove {path.name} and parts/{TABLE}/ there")
-
-    def identity(self) -> dict:
-        """What the rows are computed from besides the settings: the weights and tokenizer of
-        ``--model`` (by content), and the server's name for it, its vLLM version and its KV block
-        size. The server is trusted to serve ``--model``."""
-        from kvprobe.models.load import tokenizer_hash
-
-        try:
-            version = get_json(f"{self.url}/version").get("version")
-        except (OSError, ValueError):
-            version = None
-        return {"weights": weights_identity(self.cfg.model), "tokenizer_hash": tokenizer_hash(self.tok),
-                "served_model": self.served, "server_version": version, "block_size": self.block_size}
 
     def _replay(self) -> None:
         """Feed finished runs' prompts (and their oracles) into the ceiling and the oracle table."""
@@ -282,31 +351,13 @@ class Bench:
             self.ceiling.add(ids)
             self.oracle[value] = parse_answer(c.text, self.policy.case.options)
 
-    def _gone_or_fail(self, error: str, where: str) -> None:
-        from kvprobe.serving.server import healthy
-
-        collected = self.collect()
-        kept = f"finished runs are saved in {collected}" if collected else "no run had finished"
-        what = "stopped answering" if not healthy(self.url) else "failed a request"
-        raise ServerGone(f"the server at {self.url} {what} during {where} ({error}); {kept}; "
-                         f"run the same command again to resume")
-
-    def collect(self) -> Path | None:
-        if not self.store.parts.exists() or not any(self.store.parts.glob("*.parquet")):
-            return None
-        return self.store.collect()
-
     # -- the benchmark -------------------------------------------------------------------------
+    def total(self) -> int:
+        """Requests the benchmark sends in its timed runs (the progress bar's total)."""
+        return len(self.cfg.rates) * len(self.cfg.arms) * self.cfg.n
+
     def run(self) -> Path:
-        self._check_resume()
-        if self.block_size is None:
-            raise EnvironmentProblem(f"the server at {self.url} does not say its KV block size (no "
-                                     f"{measure.CACHE_INFO} in /metrics); kvprobe serve-bench needs a vLLM server")
-        identity = self.identity()  # a resume reuses only runs of the same model, server and tokenizer:
-        if (self.out / SERVING_MANIFEST).exists():  # checked before anything in the folder is rewritten
-            claim_identity(self.out, identity, self.cfg.model)
-        atomic_write_json(self.manifest(), self.out / SERVING_MANIFEST)
-        claim_identity(self.out, identity, self.cfg.model)
+        self.claim()
         self._replay()
         self.progress("warming the static prefix (the base prompt, greedy: also its oracle)")
         self._warm()
@@ -338,16 +389,9 @@ class Bench:
         cfg, p = self.cfg, self.policy
         values = arm_values(p, arm, cfg.n, start=k * cfg.n, seed=cfg.seed, salt=self.salt)
         prompts = [p.arm_prompt(self.tok, arm, v) for v in values]
-        before = measure.parse_prometheus(scrape_metrics(self.url))
-        results, sent, wall = fire(self.url, self.served, prompts, schedule, cfg.max_s, cfg.max_tokens, self.advance)
-        where = f"rate {measure.rate_label(rate)}/s, arm {arm}"
-        if any(c is not None and c.server_gone for c in results):
-            self._gone_or_fail(next(c.error for c in results if c is not None and c.server_gone), where)
-        try:
-            after = measure.parse_prometheus(scrape_metrics(self.url))
-        except ServerGone as exc:
-            self._gone_or_fail(str(exc), where)
-        queries, hits = measure.metrics_delta(before, after)
+        results, sent, wall, queries, hits = self.timed_run(
+            lambda i: stream_completion(self.url, self.served, prompts[i], cfg.max_tokens), schedule,
+            f"rate {measure.rate_label(rate)}/s, arm {arm}")
         n_sent = sum(c is not None for c in results)
         ceilings = [self.ceiling.add(ids) if c is not None else 0 for ids, c in zip(prompts, results)]
         self._oracle_for([v for v, c in zip(values, results) if c is not None])

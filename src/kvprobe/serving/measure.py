@@ -55,6 +55,21 @@ def parse_rates(text: str) -> list[float]:
     return sorted(set(rates))
 
 
+def check_rates(rates: list[float]) -> list[float]:
+    """A configuration's rates, validated and in ascending order (pydantic raises the ValueError)."""
+    if not rates or any(not r > 0 for r in rates):
+        raise ValueError("rates must be positive (inf for saturation)")
+    return sorted(set(rates))
+
+
+def check_arms(arms: list[str], accepted: tuple[str, ...], always: tuple[str, ...] = ()) -> list[str]:
+    """A configuration's arms in the canonical order of ``accepted``, with ``always`` added."""
+    bad = [a for a in arms if a not in accepted]
+    if bad or not arms:
+        raise ValueError(f"unknown arm(s) {bad or '(none given)'}; accepted: {', '.join(accepted)}")
+    return [a for a in accepted if a in arms or a in always]
+
+
 def rate_label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
