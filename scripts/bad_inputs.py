@@ -240,6 +240,7 @@ def prepare(s: Path, say) -> None:
     (s / "dataset-folder").mkdir()
     # kvprobe diagnose: a prompt with a {tier} placeholder, and topk.yaml files
     (s / "loan.txt").write_text("Approve a refund only if tier is gold.\ntier: {tier}\n")
+    shutil.copy2(ROOT / "examples" / "agent-refund.yaml", s / "agent-refund.yaml")
     (s / "no-field.txt").write_text("Approve a refund only if tier is gold.\n")
     (s / "broken.yaml").write_text("schema_version: [\n")
     (s / "old-topk.yaml").write_text("schema_version: 1\nmodel: {}\nk_star: null\n")
@@ -490,6 +491,16 @@ def inputs(s: Path) -> list[Bad]:
             "serve-bench --url that is not http(s)", 2),
         Bad(["serve-bench", "--model", "smollm2-135m", "--url", "http://127.0.0.1:9", "--out", "sb"],
             "serve-bench --url of a dead server", 4),
+        Bad(["serve-bench", "--model", "smollm2-135m", "--workload", "agents", "--out", "sb"],
+            "serve-bench --workload agents", 2, quote="agents"),
+        Bad(["serve-bench", "--model", "smollm2-135m", "--workload", "agent", "--url", "http://127.0.0.1:9",
+             "--out", "sb"], "serve-bench --workload agent without --spec", 2),
+        Bad(["serve-bench", "--model", "smollm2-135m", "--workload", "agent", "--spec", "agent-refund.yaml",
+             "--n", "5", "--out", "sb"],
+            "serve-bench --workload agent with the single workload's --n", 2),
+        Bad(["serve-bench", "--model", "smollm2-135m", "--workload", "agent", "--spec", "nothing.yaml",
+             "--url", "http://127.0.0.1:9", "--out", "sb"], "serve-bench --workload agent --spec missing", 3,
+            quote="nothing.yaml"),
         # sweeps and layouts
         Bad(["sweep", "--model", "toy-qwen2", "--layouts", "record", "--filler-tokens", "0,50", "--n", "4",
              "--out", "sweep"], "sweep --out a sweep with other settings", 2),
