@@ -7,19 +7,25 @@ The front door (docs/api.md)::
     ctx = kvprobe.EditableContext(lm)
     ...
 
-``load``, ``EditableContext`` and ``policy`` are imported on first use, so ``import kvprobe``
+``load``, ``EditableContext``, ``EditState``, ``diagnose_case`` and ``policy`` are imported on first use, so ``import kvprobe``
 (and the command line's help) stays fast.
 """
 
 __version__ = "0.1.0"
-__all__ = ["EditState", "EditableContext", "load", "policy"]
+__all__ = ["EditState", "EditableContext", "diagnose_case", "load", "policy"]
+_API = ("EditState", "EditableContext", "diagnose_case", "load")
 
 
 def __getattr__(name: str):
     import importlib
 
-    if name in ("EditState", "EditableContext", "load"):
+    if name in _API:
         return getattr(importlib.import_module("kvprobe.api"), name)
     if name == "policy":
         return importlib.import_module("kvprobe.policy")
     raise AttributeError(f"module 'kvprobe' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The lazy exports too, so that tab completion lists them."""
+    return sorted({*globals(), *__all__})

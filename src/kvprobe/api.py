@@ -84,6 +84,48 @@ class EditState:
     option_ids: dict[str, list[int]] = field(default_factory=dict)
     _logits: torch.Tensor | None = field(default=None, repr=False)
 
+    def __repr__(self) -> str:
+        """One line: what ran, the answer, the cost (the model and the cache are left out)."""
+        answer = f", answer={self.answer()!r}" if self.options else ""
+        chose = f", chose={self.chose!r}" if self.chose != self.strategy else ""
+        return (f"EditState(strategy={self.strategy!r}{chose}{answer}, recomputed={self.recomputed:g} "
+                f"({self.frac_recomputed:.1%}), repair_s={self.repair_s:.3f})")
+
+    def _repr_html_(self) -> str:
+        """A small table for notebooks: the fields of :meth:`to_dict`."""
+        from html import escape
+
+        rows = "".join(f"<tr><th style='text-align:left'>{escape(k)}</th><td>{escape(str(v))}</td></tr>"
+                       for k, v in self.to_dict().items())
+        return f"<table><caption>EditState</caption>{rows}</table>"
+
+    def to_dict(self) -> dict:
+        """The state as plain values: strategy, chose, reason, answer and each option's score (with
+        options), tokens recomputed and their share, the repair's seconds."""
+        out = {"strategy": self.strategy, "chose": self.chose, "reason": self.reason}
+        if self.options:
+            out["answer"] = self.answer()
+            out.update({f"score_{o}": v for o, v in self.scores().items()})
+        out.update({"recomputed": self.recomputed, "frac_recomputed": self.frac_recomputed,
+                    "repair_s": self.repair_s})
+        return out
+
+    def to_frame(self) -> pd.DataFrame:
+        """:meth:`to_dict` as a one-row DataFrame (``pd.concat`` several states into one table)."""
+        return pd.DataFrame([self.to_dict()])
+
+    @property
+    def cache(self):
+        """The repaired cache (a transformers ``DynamicCache``) of every position before
+        :attr:`tail_ids`; read it, or copy it (``kvprobe.kv.cache.copy``) before feeding it."""
+        return self.edited.cache
+
+    @property
+    def tail_ids(self) -> list[int]:
+        """The token ids still to feed after :attr:`cache` to reach the decision (the last prompt
+        token, or an erratum's tokens)."""
+        return list(self.edited.tail_ids)
+
     @property
     def recomputed(self) -> float:
         return float(self.edited.recomputed)
@@ -150,6 +192,9 @@ def _escape(text: str) -> str:
     return text.replace("{", "{{").replace("}", "}}")
 
 
+RESERVED_FIELDS = ("self", "strategy")  # edit(self, strategy, **change): a field cannot be called these
+
+
 class EditableContext:
     """A prompt built from text and named fields, prefilled once, then edited field by field.
 
@@ -181,6 +226,9 @@ class EditableContext:
         self._building()
         if not name.isidentifier():
             raise UsageError(f"field name {name!r} must be an identifier (letters, digits, _)")
+        if name in RESERVED_FIELDS:
+            raise UsageError(f"field name {name!r} is reserved ({', '.join(RESERVED_FIELDS)} are edit()'s own "
+                             f"arguments, so edit({name}=...) could not name the field); choose another name")
         if name in self.fields:
             raise UsageError(f"field {name!r} is already in this context; each field occurs once")
         self.fields[name] = value
@@ -256,8 +304,12 @@ class EditableContext:
         ``strategy`` (a spec such as ``"erratum_turn"`` or ``"selective:8:causal"``, or a typed
         strategy; default ``auto``)."""
         if len(change) != 1:
-            raise UsageError(f"edit one field at a time, e.g. edit(tier='silver'); got {len(change)}")
+            raise UsageError(f"edit one field at a time, e.g. edit(tier='silver'); got {len(change)} (many edits: "
+                             f"ctx.edits(...), one row each)")
         (name, value), = change.items()
+        if not isinstance(value, str):
+            raise UsageError(f"edit() takes one new value as text, got {type(value).__name__} for {name!r}; for "
+                             f"several values, ctx.edits({name}=[...]) gives one row per value")
         if not isinstance(strategy, (str, Strategy)):
             raise UsageError(f"strategy must be a spec string such as 'auto' or 'selective:8:causal' (`kvprobe "
                              f"strategies` lists them) or a Strategy object, got {type(strategy).__name__} "
@@ -268,6 +320,18 @@ class EditableContext:
             s.check(self.lm, ctx.a)
             edited = apply(ctx, s)
         return EditState(self.lm, edited, s.spec, edited.chose or s.spec, edited.note, self.options, ctx.a.option_ids)
+
+    def edits(self, strategy: str | Strategy = "auto", **changes) -> pd.DataFrame:
+        """Many edits from the one prefill, one row each: ``ctx.edits(tier=["silver", "bronze"],
+        region="EU")`` edits each value of each field alone (the other fields as prefilled), with
+        ``strategy``. Columns: ``field``, ``new_value`` and :meth:`EditState.to_dict`'s."""
+        if not changes:
+            raise UsageError("name at least one field and its new values, e.g. ctx.edits(tier=['silver', 'bronze'])")
+        rows = []
+        for name, values in changes.items():
+            for value in [values] if isinstance(values, str) else list(values):
+                rows.append({"field": name, "new_value": value, **self.edit(strategy, **{name: value}).to_dict()})
+        return pd.DataFrame(rows)
 
     def context(self, name: str, value: str) -> EditContext:
         """What a strategy starts from for this edit: the model, the aligned case, the old cache."""

@@ -272,3 +272,38 @@ def test_a_policy_path_is_loaded_and_a_bad_one_refused_in_one_line(toy, cases, t
         kvprobe.EditableContext(toy, policy=path)
     with pytest.raises(UsageError, match="policy must be the path of a topk.yaml .* not int"):
         kvprobe.EditableContext(toy, policy=123)
+
+
+def test_the_api_in_a_notebook(toy, cases):
+    """Tab completion lists the lazy exports; an EditState prints in one short line and as a small
+    HTML table, and turns into a dict or a one-row DataFrame; many edits share the one prefill and
+    come back as one DataFrame, each row equal to its own edit()."""
+    import pandas as pd
+
+    assert {"load", "EditableContext", "EditState", "diagnose_case", "policy"} <= set(dir(kvprobe))
+    case = next(c for c in cases if not c.control)
+    ctx = context_of(toy, case)
+    state = ctx.edit("erratum_turn", **{case.field: case.new_value})
+    text = repr(state)
+    assert text.startswith("EditState(strategy='erratum_turn', answer=") and len(text) < 200 and "\n" not in text
+    d = state.to_dict()
+    assert d["answer"] == state.answer() and d["score_yes"] == pytest.approx(state.scores()["yes"])
+    assert d["recomputed"] == state.recomputed and d["repair_s"] == state.repair_s
+    assert list(state.to_frame().columns) == list(d) and "<table>" in state._repr_html_()
+    assert state.tail_ids and type(state.cache).__name__ == "DynamicCache"
+    others = [c.new_value for c in cases if c.field == case.field and c.new_value != case.old_value][:3]
+    values = list(dict.fromkeys([case.new_value, *others]))
+    table = ctx.edits("erratum_turn", **{case.field: values})
+    assert isinstance(table, pd.DataFrame) and list(table["new_value"]) == values
+    assert list(table.columns[:2]) == ["field", "new_value"] and set(d) <= set(table.columns)
+    for row in table.itertuples():
+        alone = ctx.edit("erratum_turn", **{case.field: row.new_value})
+        assert row.answer == alone.answer() and row.score_yes == pytest.approx(alone.scores()["yes"], abs=1e-4)
+    with pytest.raises(UsageError, match=r"ctx\.edits\(" + case.field):
+        ctx.edit(**{case.field: values})
+
+
+@pytest.mark.parametrize("name", ["strategy", "self"])
+def test_field_names_that_edit_cannot_take_are_refused(toy, name):
+    with pytest.raises(UsageError, match=rf"^field name '{name}' is reserved"):
+        kvprobe.EditableContext(toy).add_field(name, "x")
