@@ -278,6 +278,8 @@ def test_export_topk_cli_on_a_sweep_folder(lm, tmp_path):
     res = CliRunner().invoke(app, ["export-topk", str(folder)])
     assert res.exit_code == 0, res.output
     assert (folder / "topk.yaml").exists() and "strategies:" in res.output
+    res = CliRunner().invoke(app, ["export-topk", str(folder), "--out", str(tmp_path / "named.yaml")])
+    assert res.exit_code == 0 and res.output.strip() == f"wrote {tmp_path / 'named.yaml'}"  # a named file: quiet
     junk = tmp_path / "junk"
     junk.mkdir()
     (junk / "notes.txt").write_text("x")

@@ -125,7 +125,8 @@ def export_topk(results_dir: Path = typer.Argument(..., help="a `kvprobe run` or
                                                                              "(and policy.cheapest) must reach, "
                                                                              "in [0, 1]")) -> None:
     """Write the per-model top-K YAML (K*, ranking rule, token kinds, fingerprint, the evidence per strategy)
-    for serving; from a sweep folder, the fingerprint and the evidence per strategy only."""
+    for serving; from a sweep folder, the fingerprint and the evidence per strategy only. It is printed too,
+    unless --out names the file."""
     from kvprobe.cli.common import usable_file
     from kvprobe.editor.topk import export_topk as export
 
@@ -133,4 +134,5 @@ def export_topk(results_dir: Path = typer.Argument(..., help="a `kvprobe run` or
         usable_file(out)
     path = export(results_dir, out, threshold)
     console.print(f"wrote {path}")
-    console.print(path.read_text(), markup=False, highlight=False)
+    if out is None:  # the default place: show it; a file the user named is left to read there
+        console.print(path.read_text(), markup=False, highlight=False)
