@@ -240,3 +240,16 @@ def test_unusable_output_paths_are_refused_before_any_work(tmp_path):
         assert snapshot(tmp_path) == before and not list(tmp_path.rglob("*.tmp"))
     finally:
         locked.chmod(0o700)
+
+
+def test_output_off_a_terminal_is_never_cut(tmp_path):
+    """Into a pipe or a log (here a file, with COLUMNS=80 as pytest-xdist sets it), tables keep every
+    cell whole: the strategy table's longest description and the default list come out in full, and no
+    cell ends in rich's ellipsis."""
+    from kvprobe.defaults import DEFAULT_STRATEGIES
+
+    proc = cli_process.run("strategies", env={**os.environ, "COLUMNS": "80"})
+    assert proc.returncode == 0, proc.stderr
+    assert "…" not in proc.stdout
+    assert f"default: {','.join(DEFAULT_STRATEGIES)}" in proc.stdout
+    assert max(len(line) for line in proc.stdout.splitlines()) > 200  # unwrapped: wider than the old fixed 170

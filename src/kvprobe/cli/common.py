@@ -16,9 +16,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvprobe.errors import UsageError
 
+LOG_WIDTH = 1000  # off a terminal: wide enough that no table cell or line is cut
+
+
+def _width(stream) -> int | None:
+    """On a terminal, rich's own width (the terminal's size, or ``COLUMNS`` when set); off a terminal
+    (a log, a pipe), :data:`LOG_WIDTH`, so that every cell and line comes out in full (tables still fit
+    their content). ``COLUMNS`` is not read there: pytest-xdist's workers, for one, set it to 80."""
+    return None if stream.isatty() else LOG_WIDTH
+
+
 # no emoji codes: "selective:abc:causal" must not print as "selective🔤causal"
-console = Console(width=170, emoji=False) if not sys.stdout.isatty() else Console(emoji=False)  # logs: wide tables
-err_console = Console(stderr=True, emoji=False) if sys.stderr.isatty() else Console(stderr=True, width=200, emoji=False)
+console = Console(width=_width(sys.stdout), emoji=False)
+err_console = Console(stderr=True, width=_width(sys.stderr), emoji=False)
 
 class PlainProgress:
     """The part of rich's Progress that commands use, printed as plain lines on stderr: one when a
