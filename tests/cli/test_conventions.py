@@ -245,11 +245,12 @@ def test_unusable_output_paths_are_refused_before_any_work(tmp_path):
 def test_output_off_a_terminal_is_never_cut(tmp_path):
     """Into a pipe or a log (here a file, with COLUMNS=80 as pytest-xdist sets it), tables keep every
     cell whole: the strategy table's longest description and the default list come out in full, and no
-    cell ends in rich's ellipsis."""
+    cell ends in rich's ellipsis; the descriptions are plain text, not the docstrings' Sphinx markup."""
     from kvprobe.defaults import DEFAULT_STRATEGIES
 
     proc = cli_process.run("strategies", env={**os.environ, "COLUMNS": "80"})
     assert proc.returncode == 0, proc.stderr
     assert "…" not in proc.stdout
+    assert "``" not in proc.stdout and ":data:`" not in proc.stdout and ":meth:`" not in proc.stdout  # no Sphinx
     assert f"default: {','.join(DEFAULT_STRATEGIES)}" in proc.stdout
     assert max(len(line) for line in proc.stdout.splitlines()) > 200  # unwrapped: wider than the old fixed 170

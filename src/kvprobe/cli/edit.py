@@ -66,6 +66,15 @@ def edit(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "defau
                           f"can be judged; the table in {path} holds the raw rows")
 
 
+def plain(doc: str) -> str:
+    """A docstring's Sphinx markup as plain text: ``x`` and :role:`x` (or :role:`~a.b.x`) become x."""
+    import re
+
+    doc = re.sub(r":[a-z]+:`~?([^`]+)`", lambda m: m.group(1).rsplit(".", 1)[-1] if "~" in m.group(0)
+                 else m.group(1), doc)
+    return re.sub(r"``([^`]+)``", r"\1", doc)
+
+
 def strategies() -> None:
     """Every registered edit strategy's spec grammar, and the default set."""
     from kvprobe.defaults import DEFAULT_STRATEGIES
@@ -75,7 +84,7 @@ def strategies() -> None:
     for col in ("spec", "what it does"):
         table.add_column(col)
     for cls in STRATEGIES.values():
-        table.add_row(cls.grammar(), " ".join((cls.__doc__ or "").split()))
+        table.add_row(cls.grammar(), plain(" ".join((cls.__doc__ or "").split())))
     console.print(table)
     console.print(f"default: {','.join(DEFAULT_STRATEGIES)}", highlight=False, markup=False)
 
