@@ -75,7 +75,8 @@ def show(dataset: opt.Dataset = "default", index: int = typer.Option(0, min=0, h
 def generate_cmd(out: Path = typer.Option(..., help="JSONL file to write"),
                  n: int = typer.Option(100, min=1, help="cases to write"),
                  seed: int = typer.Option(0, help="the generator's seed (the same seed, the same cases)"),
-                 few_shot: int = typer.Option(0, min=0, help="solved examples (from other domains) put before each case's prompt"),
+                 few_shot: int = typer.Option(0, min=0, help="solved examples (from other domains) put before "
+                                                             "each case's prompt"),
                  controls: float = typer.Option(0.2, help="share of control cases (an edit of a field that "
                                                           "should not change the decision)"),
                  cot: bool = typer.Option(False, help="ask for a chain of thought before the answer"),
