@@ -7,8 +7,8 @@ The front door (docs/api.md)::
     ctx = kvprobe.EditableContext(lm)
     ...
 
-``load``, ``EditableContext``, ``EditState``, ``diagnose_case`` and ``policy`` are imported on first use, so ``import kvprobe``
-(and the command line's help) stays fast.
+``load``, ``EditableContext``, ``EditState``, ``diagnose_case`` and ``policy`` are imported on first use,
+so ``import kvprobe`` (and the command line's help) stays fast; ``dir(kvprobe)`` lists them all the same.
 """
 
 __version__ = "0.1.0"
