@@ -104,4 +104,7 @@ def test_the_prompt_state_on_vllm(vllm_server, tmp_path):
     print(f"\n{s.round(3).to_string()}")
     assert df["ok"].all() and len(df) == 2 * 3 * 2 and (df["prompt_tokens"] == df["local_tokens"]).all()
     assert (s.hit_rates_agree == True).all()  # noqa: E712
-    assert s.loc["erratum", "hit_rate_metrics"] > 0.8 > 0.2 > s.loc["rerender", "hit_rate_metrics"]
+    assert (s.hit_rate_usage <= s.ceiling + 1e-9).all()  # the ceiling bounds each arm
+    # a rerender misses from the first changed field on, unless a turn sets a field back to the session's first
+    # value (then its prompt is the warm one: one request in six is a sixth of the arm)
+    assert s.loc["erratum", "hit_rate_metrics"] > 0.8 > 0.5 > s.loc["rerender", "hit_rate_metrics"]
