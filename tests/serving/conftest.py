@@ -1,6 +1,7 @@
 """Fixtures for the serving tests that need no vLLM: a byte-level tokenizer built here, and a
 stand-in OpenAI-compatible server with a prefix cache of its own (a test double, not a benchmark
-target: it answers with a hash of the prompt and counts hits the way vLLM's cache does)."""
+target: completions answer with a hash of the prompt, chat completions with a given rule, and it
+counts hits the way vLLM's cache does)."""
 
 from __future__ import annotations
 
@@ -88,20 +89,22 @@ class FakeVllm:
                 first = {o: tok.encode(o, add_special_tokens=False)[0] for o in (answer, other)}
                 top = [{"token": f"token_id:{first[answer]}", "logprob": -0.1},
                        {"token": f"token_id:{first[other]}", "logprob": -2.4}]
+                head = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": MODEL}
+                chunk = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": answer},
+                                              "logprobs": {"content": [{"token": top[0]["token"], "logprob": -0.1,
+                                                                        "top_logprobs": top}]}}]}
+                usage = {"prompt_tokens": len(prompt), "completion_tokens": 1, "total_tokens": len(prompt) + 1,
+                         "prompt_tokens_details": {"cached_tokens": cached}}
+                self._stream([chunk, {**head, "choices": [], "usage": usage}])
+
+            def _stream(self, events: list[dict]) -> None:
+                """Server-sent events as vLLM streams them: each event, then [DONE]."""
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Connection", "close")
                 self.end_headers()
-                chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
-                         "choices": [{"index": 0, "delta": {"role": "assistant", "content": answer},
-                                      "logprobs": {"content": [{"token": top[0]["token"], "logprob": -0.1,
-                                                                "top_logprobs": top}]}}]}
-                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                usage = {"prompt_tokens": len(prompt), "completion_tokens": 1, "total_tokens": len(prompt) + 1,
-                         "prompt_tokens_details": {"cached_tokens": cached}}
-                last = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": MODEL, "choices": [],
-                        "usage": usage}
-                self.wfile.write(f"data: {json.dumps(last)}\n\n".encode())
+                for event in events:
+                    self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
 
@@ -120,18 +123,10 @@ class FakeVllm:
                 prompt = body["prompt"]
                 cached = fake.prefill(prompt)
                 answer = " yes" if sum(prompt) % 2 == 0 else " no"
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Connection", "close")
-                self.end_headers()
-                for text in (answer, "."):
-                    chunk = {"choices": [{"index": 0, "text": text}]}
-                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 usage = {"prompt_tokens": len(prompt), "completion_tokens": 2, "total_tokens": len(prompt) + 2,
                          "prompt_tokens_details": {"cached_tokens": cached}}
-                self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
-                self.wfile.write(b"data: [DONE]\n\n")
-                self.wfile.flush()
+                self._stream([*({"choices": [{"index": 0, "text": text}]} for text in (answer, ".")),
+                              {"choices": [], "usage": usage}])
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"

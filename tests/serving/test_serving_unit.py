@@ -393,10 +393,12 @@ def test_a_resume_against_another_served_setup_is_refused(byte_bench, fake_vllm,
 
 
 def test_fire_respects_the_time_bound(fake_vllm):
-    from kvprobe.serving.bench import fire
+    from kvprobe.serving.bench import fire_with
+    from kvprobe.serving.client import stream_completion
 
     fake = fake_vllm()
-    results, sent, wall = fire(fake.url, MODEL, [[1, 2, 3]] * 5, [0.0, 0.05, 0.1, 5.0, 6.0], max_s=1.0, max_tokens=2)
+    results, sent, wall = fire_with(lambda i: stream_completion(fake.url, MODEL, [1, 2, 3], max_tokens=2),
+                                    [0.0, 0.05, 0.1, 5.0, 6.0], max_s=1.0)
     assert [r is not None for r in results] == [True, True, True, False, False]
     assert sent[1] >= 0.05 and all(math.isnan(s) for s in sent[3:]) and 0 < wall < 5
 

@@ -46,6 +46,7 @@ from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.results import SERVING_MANIFEST, atomic_write, version_entry
 from kvprobe.serving import measure
 from kvprobe.serving.bench import ServerRun
+from kvprobe.serving.prompts import fit_clauses
 from kvprobe.serving.client import Completion, decide, stream_chat
 from kvprobe.serving.state import DEFAULT, PromptState, Rendering, renderings
 
@@ -124,20 +125,12 @@ def padded_spec(spec, tokenizer, policy_tokens: int, seed: int = 0):
         text = clauses.replace("{", "{{").replace("}", "}}")
         return replace(spec, template=f"{spec.template.rstrip()}\n\nPolicy notes:\n{text}\n")
 
-    def length(s) -> int:
+    def length(n: int) -> int:
+        s = with_clauses(n) if n else spec
         return len(PromptState(s, first_values(s)).ids(tokenizer))
 
-    head = length(spec)
-    per = max(1, len(tokenizer(f"- Clause 10: {pool[0]}\n", add_special_tokens=False)["input_ids"]))
-    n = max(1, (policy_tokens - head) // per)
-    out = with_clauses(n)
-    for _ in range(6):  # a few corrections: clause lengths vary
-        got = length(out)
-        if abs(got - policy_tokens) <= per:
-            break
-        n = max(1, n + round((policy_tokens - got) / per))
-        out = with_clauses(n)
-    return out
+    per_clause = max(1, len(tokenizer(f"- Clause 10: {pool[0]}\n", add_special_tokens=False)["input_ids"]))
+    return with_clauses(fit_clauses(length, policy_tokens, per_clause))
 
 
 def spec_yaml(spec) -> str:

@@ -150,12 +150,6 @@ def pick_served(url: str, model: str) -> str:
                              f"start it with --served-model-name {model}")
 
 
-def fire(url: str, served: str, prompts: list[list[int]], schedule: list[float], max_s: float, max_tokens: int,
-         on_done: Callable[[], None] = lambda: None) -> tuple[list[Completion | None], list[float], float]:
-    """Send the token-id ``prompts`` at ``schedule`` offsets (see :func:`fire_with`)."""
-    return fire_with(lambda i: stream_completion(url, served, prompts[i], max_tokens), schedule, max_s, on_done)
-
-
 def fire_with(send: Callable[[int], Completion], schedule: list[float], max_s: float,
               on_done: Callable[[], None] = lambda: None) -> tuple[list[Completion | None], list[float], float]:
     """Call ``send(i)`` for request ``i`` at its ``schedule`` offset, one thread each; wait for them all.

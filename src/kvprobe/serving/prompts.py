@@ -30,6 +30,7 @@ which is the ``edit_*`` prompt for that value.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -132,17 +133,24 @@ def build_policy(tokenizer, policy_tokens: int = DEFAULT_POLICY_TOKENS, seed: in
                         template_id=t.id)
 
     form = resolve_form(tokenizer, form)
-    policy = Policy(case(0), gate.allow, gate.deny, form, check_template(template or SHORT_ERRATUM))
-    head = len(policy.ids(tokenizer))
+    template = check_template(template or SHORT_ERRATUM)
+    at = lambda n: Policy(case(n), gate.allow, gate.deny, form, template)  # noqa: E731
     per_clause = len(tokenizer(f"- Clause 10: {pool[0]}\n", add_special_tokens=False)["input_ids"])
-    n = max(1, (policy_tokens - head) // max(1, per_clause))
-    for _ in range(6):  # a few corrections: clause lengths vary
-        policy = Policy(case(n), gate.allow, gate.deny, form, policy.template)
-        got = len(policy.ids(tokenizer))
-        if abs(got - policy_tokens) <= per_clause:
-            break
-        n = max(1, n + round((policy_tokens - got) / per_clause))
-    return policy
+    return at(fit_clauses(lambda n: len(at(n).ids(tokenizer)), policy_tokens, per_clause))
+
+
+def fit_clauses(length: Callable[[int], int], target: int, per_clause: int, tries: int = 6) -> int:
+    """How many policy clauses bring a prompt to about ``target`` tokens: a first guess from the
+    prompt without clauses (``length(0)``) and a clause's length, then up to ``tries`` corrections
+    (clause lengths vary) until ``length(n)`` is within one clause of ``target``; the last ``n``
+    measured when none is."""
+    n = max(1, (target - length(0)) // max(1, per_clause))
+    for _ in range(tries):
+        got = length(n)
+        if abs(got - target) <= per_clause:
+            return n
+        measured, n = n, max(1, n + round((target - got) / per_clause))
+    return measured
 
 
 def unique_values(policy: Policy, n: int, start: int = 0, seed: int = 0, salt: str = "") -> list[str]:

@@ -175,10 +175,13 @@ class PromptState:
     def notes(self) -> list[str]:
         """The note lines due: one per field whose current value differs from the prefix's and whose
         rendering is a note, in template order."""
+        return self._notes(self._case())
+
+    def _notes(self, case) -> list[str]:
         from kvprobe.datasets import ERRATUM_TEMPLATES, erratum_text
         from kvprobe.datasets.layouts import label
 
-        style = self._case().field_style  # the field's name as kvprobe's erratum strategies write it
+        style = case.field_style  # the field's name as kvprobe's erratum strategies write it
         return [erratum_text(label(n, style), v, ERRATUM_TEMPLATES.get(self.rendering[n].template,
                                                                        self.rendering[n].template))
                 for n, v in self.values.items() if v != self.prefix[n] and self.rendering[n].kind == "note"]
@@ -197,7 +200,8 @@ class PromptState:
         request to request until a ``rerender`` update rewrites it)."""
         from kvprobe.datasets.render import render_turns
 
-        case, notes = self._case(), self.notes()
+        case = self._case()
+        notes = self._notes(case)
         turns = render_turns(case, case.old_value, erratum="\n".join(notes) or None, erratum_at="turn")
         head = [{"role": "system", "content": self.spec.system}] if self.spec.system else []
         return head + [{"role": role, "content": text} for role, text in turns]
@@ -207,7 +211,8 @@ class PromptState:
         from kvprobe.datasets import render_prompt
         from kvprobe.datasets.spans import prompt_ids
 
-        case, notes = self._case(), self.notes()
+        case = self._case()
+        notes = self._notes(case)
         text = render_prompt(case, tokenizer, case.old_value, "chat", erratum="\n".join(notes) or None,
                              erratum_at="turn")
         return prompt_ids(tokenizer, text, "chat")
