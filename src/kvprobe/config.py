@@ -1,6 +1,6 @@
 """What defines a run, and the cases it runs on: :class:`RunConfig` (``kvprobe run``'s settings,
 loadable from YAML; ``kvprobe edit`` builds one too), the dataset it names (:func:`load_cases`) and
-the checks every case passes before any forward pass (:func:`check_cases`)."""
+the checks every case passes before any forward pass (:func:`precheck_cases`)."""
 
 from __future__ import annotations
 
@@ -187,7 +187,7 @@ def load_cases(cfg: RunConfig) -> list:
     return resolve_dataset(cfg.dataset, n=cfg.n or cfg.budget, seed=cfg.seed, **kwargs)
 
 
-def check_cases(lm, aligned: list, strategies: list[Strategy], cot: list[int], form: str) -> None:
+def precheck_cases(lm, aligned: list, strategies: list[Strategy], cot: list[int], form: str) -> None:
     """One-line errors, before any forward pass, for a case over the window or a strategy that cannot repair it."""
     longest = max(cot, default=0)
     for a in aligned:

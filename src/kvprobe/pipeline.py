@@ -24,7 +24,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvprobe.composer.gate import run_compose, summarize_compose
-from kvprobe.config import RunConfig, check_cases, load_cases, settled
+from kvprobe.config import RunConfig, load_cases, precheck_cases, settled
 from kvprobe.datasets import Skip, align, require_answers
 from kvprobe.datasets.tokens import case_tokens
 from kvprobe.editor.causal_rule import fit_rule
@@ -35,7 +35,7 @@ from kvprobe.errors import CheckFailed
 from kvprobe.models import load_model
 from kvprobe.probes import Inputs, in_order
 from kvprobe.probes.engine import PairMemo
-from kvprobe.probes.field_following import check_case, summarize
+from kvprobe.probes.field_following import summarize, validity_row
 from kvprobe.results import (
     COMPOSE,
     EDITS,
@@ -58,9 +58,10 @@ def split_holdout(case_ids: list[str], fraction: float, seed: int) -> tuple[list
     return sorted(keyed[n_hold:]), sorted(keyed[:n_hold])
 
 
-class Stages:
-    """Timing and progress of the stages of one run: each stage's wall time, and per stage the
-    seconds of each case computed in this session (a case resumed from its part has none)."""
+class Stopwatch:
+    """The stopwatch and progress of one run's stages (not a registry: that is kvprobe.probes.STAGES):
+    each stage's wall time, and per stage the seconds of each case computed in this session (a case
+    resumed from its part has none)."""
 
     def __init__(self, progress: Callable[[str, int], Callable[[], None]]):
         self.progress = progress
@@ -74,7 +75,7 @@ class Stages:
         return out
 
 
-def run_probes(cfg: RunConfig, lm, valid: list, folder: ResultsFolder, stages: Stages,
+def run_probes(cfg: RunConfig, lm, valid: list, folder: ResultsFolder, watch: Stopwatch,
                pairs: PairMemo | None = None) -> dict[str, pd.DataFrame]:
     """Every registered probe the config names, in dependency order, into ``out``; their tables by name.
 
@@ -88,15 +89,15 @@ def run_probes(cfg: RunConfig, lm, valid: list, folder: ResultsFolder, stages: S
     for stage in in_order(cfg.probes):
         probe = stage.build(Inputs(cfg.seed, cfg.model, tables, pairs))
         if stage.per_case:
-            tick = stages.progress(stage.name, len(valid))
-            table = stages.run(stage.name, lambda: folder.parts(stage.name).map(
+            tick = watch.progress(stage.name, len(valid))
+            table = watch.run(stage.name, lambda: folder.parts(stage.name).map(
                 [(a.case.case_id, a) for a in valid], lambda a: probe.run_case(lm, a, pairs.get(a)), tick,
-                stages.case_s.setdefault(stage.name, {})))
+                watch.case_s.setdefault(stage.name, {})))
         elif (out / stage.table).exists():
             table = pd.read_parquet(out / stage.table)
         else:
-            tick = stages.progress(stage.name, 1)
-            table = stages.run(stage.name, lambda: probe.run(lm, valid))
+            tick = watch.progress(stage.name, 1)
+            table = watch.run(stage.name, lambda: probe.run(lm, valid))
             tick()
         tables[stage.name] = table
         if stage.name == "linear":
@@ -143,27 +144,27 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None, cases: list | N
     ``cases`` are the dataset's cases when the caller already resolved them.
     """
     out = Path(out)
-    stages = Stages(progress or (lambda name, total: (lambda: None)))
+    watch = Stopwatch(progress or (lambda name, total: (lambda: None)))
     t0 = time.perf_counter()
 
     cases = cases if cases is not None else load_cases(cfg)
     require_answers(cases, "kvprobe run")
-    lm = lm or stages.run("load", lambda: load_model(cfg.model, dtype=cfg.dtype, device=cfg.device,
-                                                     device_map=cfg.device_map))
+    lm = lm or watch.run("load", lambda: load_model(cfg.model, dtype=cfg.dtype, device=cfg.device,
+                                                    device_map=cfg.device_map))
     sel = prepare(cfg, lm, cases)
     folder = run_folder(cfg, out)
     folder.claim(lm, cases)
     # each case's two caches (and residual streams, for the linear probe): prefilled once, at
     # validity, for every later stage
     pairs = PairMemo(lm, residuals="linear" in cfg.probes)
-    select_cases(cfg, lm, sel, folder, stages, pairs)
-    tables = run_probes(cfg, lm, sel.valid, folder, stages, pairs)
+    select_cases(cfg, lm, sel, folder, watch, pairs)
+    tables = run_probes(cfg, lm, sel.valid, folder, watch, pairs)
     rule = learn_rule(cfg, tables.get("locality", pd.DataFrame()), sel, out)
-    run_edits_stage(cfg, lm, sel, rule, folder, stages, pairs)
+    run_edits_stage(cfg, lm, sel, rule, folder, watch, pairs)
     pairs.keep(())
-    compose_summary = run_compose_stage(cfg, lm, folder, stages)
-    manifest = write_manifest(cfg, lm, sel, compose_summary, folder, {**stages.wall, "total": time.perf_counter() - t0},
-                              run_profile(stages, sel, out))
+    compose_summary = run_compose_stage(cfg, lm, folder, watch)
+    manifest = write_manifest(cfg, lm, sel, compose_summary, folder, {**watch.wall, "total": time.perf_counter() - t0},
+                              run_profile(watch, sel, out))
     if rule is not None:
         export_topk(out, threshold=cfg.threshold)
     return manifest
@@ -181,29 +182,29 @@ def prepare(cfg: RunConfig, lm, cases: list) -> Selection:
             sel.skipped.append(a)
         else:
             sel.aligned[case.case_id] = a
-    check_cases(lm, list(sel.aligned.values()), cfg.edit_strategies(), cfg.cot, cfg.form)
+    precheck_cases(lm, list(sel.aligned.values()), cfg.edit_strategies(), cfg.cot, cfg.form)
     return sel
 
 
-def select_cases(cfg: RunConfig, lm, sel: Selection, folder: ResultsFolder, stages: Stages,
+def select_cases(cfg: RunConfig, lm, sel: Selection, folder: ResultsFolder, watch: Stopwatch,
                  pairs: PairMemo | None = None) -> Selection:
     """Check every aligned case's validity (resumable), choose what is probed and edited; ``pairs``
     keeps the caches of the chosen cases for the later stages."""
     pairs = pairs or PairMemo(lm)
 
     def check(a) -> pd.DataFrame:
-        row = check_case(lm, a, pairs.get(a))
+        row = validity_row(lm, a, pairs.get(a))
         if not (row["valid"] or (not cfg.valid_only and not row["control"])):
             pairs.drop(a.case.case_id)  # never probed nor edited
         return pd.DataFrame([row])
 
     sizing = cfg.sizing()
-    tick = stages.progress("validity", len(sel.aligned))
-    times = stages.case_s.setdefault("validity", {})
+    tick = watch.progress("validity", len(sel.aligned))
+    times = watch.case_s.setdefault("validity", {})
     if sizing is None:
-        validity = stages.run("validity", lambda: folder.parts("validity").map(sel.aligned.items(), check, tick, times))
+        validity = watch.run("validity", lambda: folder.parts("validity").map(sel.aligned.items(), check, tick, times))
     else:
-        validity = stages.run("validity", lambda: _sized_validity(cfg, sel, folder, check, tick, times, sizing))
+        validity = watch.run("validity", lambda: _sized_validity(cfg, sel, folder, check, tick, times, sizing))
     out = folder.path
     atomic_write_parquet(validity, out / VALIDITY)
     sel.validity = validity
@@ -271,7 +272,7 @@ def learn_rule(cfg: RunConfig, locality: pd.DataFrame, sel: Selection, out: Path
     return rule
 
 
-def run_edits_stage(cfg: RunConfig, lm, sel: Selection, rule, folder: ResultsFolder, stages: Stages,
+def run_edits_stage(cfg: RunConfig, lm, sel: Selection, rule, folder: ResultsFolder, watch: Stopwatch,
                     pairs: PairMemo | None = None) -> pd.DataFrame:
     """Every strategy on the valid cases (and controls), per CoT budget; the K sweep on the held-out half.
     Without CoT a case starts from its old cache in ``pairs`` (kept from validity)."""
@@ -280,7 +281,7 @@ def run_edits_stage(cfg: RunConfig, lm, sel: Selection, rule, folder: ResultsFol
     rankings = [r for r in cfg.rankings if r != "causal" or learned]
     held = set(sel.held_ids)
     edit_items = [(f"{a.case.case_id}.cot{c}", (a, c)) for a in sel.valid + sel.controls for c in cfg.cot]
-    tick = stages.progress("edits", len(edit_items))
+    tick = watch.progress("edits", len(edit_items))
 
     def edit_one(item):
         a, cot = item
@@ -295,21 +296,21 @@ def run_edits_stage(cfg: RunConfig, lm, sel: Selection, rule, folder: ResultsFol
         return edit_case(lm, case, base, cot, cfg.min_flip, ranking=rule, seed=cfg.seed, model_name=cfg.model,
                          old_cache=old_cache, sweep=sweep)
 
-    edits = stages.run("edits", lambda: folder.parts("edits").map(edit_items, edit_one, tick,
-                                                                  stages.case_s.setdefault("edits", {})))
+    edits = watch.run("edits", lambda: folder.parts("edits").map(edit_items, edit_one, tick,
+                                                                 watch.case_s.setdefault("edits", {})))
     if not learned and "ranking" in edits:  # parts stored by a version that ranked with an empty rule
         edits = edits[edits.ranking.ne("causal")]
     atomic_write_parquet(edits, folder.path / EDITS)
     return edits
 
 
-def run_compose_stage(cfg: RunConfig, lm, folder: ResultsFolder, stages: Stages) -> list[dict]:
+def run_compose_stage(cfg: RunConfig, lm, folder: ResultsFolder, watch: Stopwatch) -> list[dict]:
     """With ``compose: N``, the composition gate on N queries (as ``kvprobe validate``); its summary rows."""
     if not cfg.compose:
         return []
 
-    tick = stages.progress("compose", cfg.compose)
-    composed = stages.run("compose", lambda: run_compose(
+    tick = watch.progress("compose", cfg.compose)
+    composed = watch.run("compose", lambda: run_compose(
         lm, n=cfg.compose, seed=cfg.seed, seams=cfg.compose_seams, form=cfg.form, store_dir=folder.path / "blocks",
         model_name=cfg.model, parts=folder.parts("compose"), on_query=tick))
     atomic_write_parquet(composed, folder.path / COMPOSE)
@@ -319,7 +320,7 @@ def run_compose_stage(cfg: RunConfig, lm, folder: ResultsFolder, stages: Stages)
 PROFILED = ("validity", "locality", "attention", "knockout", "linear", "edits", "compose")
 
 
-def run_profile(stages: Stages, sel: Selection, out: Path) -> dict:
+def run_profile(watch: Stopwatch, sel: Selection, out: Path) -> dict:
     """What the run cost, in prefill-equivalents: each stage's time over one full prefill of a
     prompt, measured in the same run (the oracle's repair: a prefill of the new prompt's [0, D),
     median over the valid cases). ``per_valid_case``: stage time / valid decision cases / that;
@@ -332,11 +333,11 @@ def run_profile(stages: Stages, sel: Selection, out: Path) -> dict:
     n = len(sel.valid_ids)
     if not n or not prefill_s > 0:
         return {}
-    per = {st: round(stages.wall[st] / n / prefill_s, 3) for st in PROFILED if st in stages.wall}
+    per = {st: round(watch.wall[st] / n / prefill_s, 3) for st in PROFILED if st in watch.wall}
     return {"prefill_s": round(prefill_s, 4), "valid_cases": n, "per_valid_case": per,
             "total_per_valid_case": round(sum(per.values()), 3),
             "cases": {st: {key: round(sec / prefill_s, 3) for key, sec in times.items()}
-                      for st, times in stages.case_s.items() if times}}
+                      for st, times in watch.case_s.items() if times}}
 
 
 def write_manifest(cfg: RunConfig, lm, sel: Selection, compose_summary: list[dict], folder: ResultsFolder,

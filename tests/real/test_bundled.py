@@ -51,10 +51,10 @@ def test_spans_align_and_decode_to_the_value(alias):
 
 def test_decision_check_runs_on_a_real_model():
     from kvprobe.datasets import generate
-    from kvprobe.probes.field_following import check_cases, summarize
+    from kvprobe.probes.field_following import summarize, validity_table
 
     lm = real_model("smollm2-135m")
-    df, skipped = check_cases(lm, generate(4, seed=2))
+    df, skipped = validity_table(lm, generate(4, seed=2))
     s = summarize(df)
     assert s["n_cases"] + len(skipped) == 4
     assert set(df.pred_old) <= {"yes", "no"} and df.n_tokens.min() > 50

@@ -99,7 +99,7 @@ def check(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "defa
           dtype: opt.Dtype = "float32", device: opt.Device = "cpu", device_map: opt.DeviceMap = "none") -> None:
     """Prefill every case with both values: accuracy, paired flip rate, logit shift, validity."""
     from kvprobe.datasets import require_answers, resolve_dataset
-    from kvprobe.probes.field_following import check_cases, summarize
+    from kvprobe.probes.field_following import summarize, validity_table
 
     opt.generated_only(dataset, few_shot=few_shot != 0, seed=seed != 0)
     if out is not None:
@@ -110,7 +110,7 @@ def check(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "defa
     lm = load_with_status(model, dtype, device, device_map=device_map)
     with progress_bar() as bar:
         task = bar.add_task(f"checking {len(cases)} cases on {model}", total=len(cases))
-        df, skipped = check_cases(lm, cases, form=form, on_case=lambda i: bar.advance(task))
+        df, skipped = validity_table(lm, cases, form=form, on_case=lambda i: bar.advance(task))
     if per_case and len(df):
         table = Table(title=f"validity per case: {model}")
         for col in ("case", "field", "old -> new", "expected", "predicted", "m old", "m new", "valid"):

@@ -29,7 +29,7 @@ def edit(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "defau
 
     from kvprobe.datasets import require_answers
     from kvprobe.editor.runner import align_all, run_edits
-    from kvprobe.config import RunConfig, check_cases, load_cases
+    from kvprobe.config import RunConfig, load_cases, precheck_cases
     from kvprobe.results import EDIT_CLAIM, EDITS, ResultsFolder, check_case_ids
 
     try:
@@ -48,7 +48,7 @@ def edit(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "defau
     require_answers(cases, "kvprobe edit")
     lm = load_with_status(model, dtype, device, allow_failed_toy=allow_failed_toy, device_map=device_map)
     aligned, _ = align_all(lm, cases, cfg.form)
-    check_cases(lm, aligned, cfg.edit_strategies(), cfg.cot, cfg.form)
+    precheck_cases(lm, aligned, cfg.edit_strategies(), cfg.cot, cfg.form)
     folder.claim(lm, cases)
     store = folder.parts("edits")
     with progress_bar() as bar:

@@ -25,7 +25,7 @@ CHECK_COLUMNS = ["case_id", "domain", "field", "control", "old_value", "new_valu
                  "m_new", "logit_shift", "valid", "n_tokens"]
 
 
-def check_case(lm, a: AlignedCase, pc: PairCaches | None = None) -> dict:
+def validity_row(lm, a: AlignedCase, pc: PairCaches | None = None) -> dict:
     """One row of the validity table for an aligned case (``pc``: its caches, if already built)."""
     c = a.case
     logits = (pc or PairCaches.build(lm, a)).logits
@@ -42,19 +42,19 @@ def check_case(lm, a: AlignedCase, pc: PairCaches | None = None) -> dict:
     }
 
 
-def check_cases(lm, cases: Iterable[EditCase], form: str = "auto",
+def validity_table(lm, cases: Iterable[EditCase], form: str = "auto",
                 on_case: Callable[[int], None] = lambda i: None) -> tuple[pd.DataFrame, list[Skip]]:
     """Validity rows for every aligned case, and the skipped cases with their reasons (every case
     needs its expected answers)."""
     cases = list(cases)
-    require_answers(cases, "check_cases")
+    require_answers(cases, "the validity check")
     rows, skipped = [], []
     for i, case in enumerate(cases):
         a = align(case, lm.tokenizer, form=form)
         if isinstance(a, Skip):
             skipped.append(a)
         else:
-            rows.append(check_case(lm, a))
+            rows.append(validity_row(lm, a))
         on_case(i)
     return pd.DataFrame(rows, columns=CHECK_COLUMNS), skipped
 

@@ -35,7 +35,7 @@ from kvprobe.defaults import (
 )
 from kvprobe.editor.strategies import Strategy, check_policies, parse_strategy
 from kvprobe.errors import CheckFailed
-from kvprobe.config import check_cases
+from kvprobe.config import precheck_cases
 from kvprobe.results import (SWEEP, SWEEP_CLAIM, SWEEP_MANIFEST, SWEEP_SUMMARY, ResultsFolder, atomic_write_parquet,
                              version_entry)
 from kvprobe.sweep.measure import measure_case
@@ -160,7 +160,7 @@ def run_sweep(cfg: SweepConfig, lm, out: Path | str, progress: Callable[[str, in
         for case in cell_cases(cfg, cell):
             a = align(case, lm.tokenizer, cfg.form)
             (skipped if isinstance(a, Skip) else aligned).append(a)
-        check_cases(lm, aligned, strategies, [], cfg.form)  # run's checks: the window, each strategy against each case
+        precheck_cases(lm, aligned, strategies, [], cfg.form)  # run's: the window, each strategy against each case
         prepared.append((cell, aligned, skipped))
     if not any(aligned for _, aligned, _ in prepared):
         reasons = pd.Series([s.reason for _, _, skipped in prepared for s in skipped]).value_counts()
