@@ -5,7 +5,7 @@ recomputed)::
 
     validity     prefill every case with both values; keep the valid ones
     probes       every registered probe the config names (kvprobe.probes.STAGES), in dependency
-                 order: locality, attention, knockout, linear
+                 order (the built-in ones in kvprobe.catalog.PROBES's order)
     ranking      learn the causal ranking rule on half of the valid cases
     edits        every strategy on the valid cases; selective(K) sweeps on the held-out half
     compose      (with ``compose: N``) the composition gate on N queries, as ``kvprobe validate``
@@ -33,7 +33,7 @@ from kvprobe.editor.strategies import parse_strategy
 from kvprobe.editor.topk import export_topk, kinds_of_top
 from kvprobe.errors import CheckFailed
 from kvprobe.models import load_model
-from kvprobe.probes import Inputs, in_order
+from kvprobe.probes import STAGES, Inputs, in_order
 from kvprobe.probes.engine import PairMemo
 from kvprobe.probes.field_following import summarize, validity_row
 from kvprobe.results import (
@@ -86,7 +86,9 @@ def run_probes(cfg: RunConfig, lm, valid: list, folder: ResultsFolder, watch: St
     pairs = pairs or PairMemo(lm)
     out = folder.path
     tables: dict[str, pd.DataFrame] = {}
-    for stage in in_order(cfg.probes):
+    stages = in_order(cfg.probes)
+    last_reader = max((i for i, s in enumerate(stages) if s.residuals), default=None)  # then the streams can go
+    for i, stage in enumerate(stages):
         probe = stage.build(Inputs(cfg.seed, cfg.model, tables, pairs))
         if stage.per_case:
             tick = watch.progress(stage.name, len(valid))
@@ -100,7 +102,7 @@ def run_probes(cfg: RunConfig, lm, valid: list, folder: ResultsFolder, watch: St
             table = watch.run(stage.name, lambda: probe.run(lm, valid))
             tick()
         tables[stage.name] = table
-        if stage.name == "linear":
+        if i == last_reader:
             pairs.drop_residuals()
         for file, df in {stage.table: table, **stage.derived(table)}.items():
             atomic_write_parquet(df, out / file)
@@ -154,9 +156,9 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None, cases: list | N
     sel = prepare(cfg, lm, cases)
     folder = run_folder(cfg, out)
     folder.claim(lm, cases)
-    # each case's two caches (and residual streams, for the linear probe): prefilled once, at
-    # validity, for every later stage
-    pairs = PairMemo(lm, residuals="linear" in cfg.probes)
+    # each case's two caches (and residual streams, for a probe stage that reads them): prefilled
+    # once, at validity, for every later stage
+    pairs = PairMemo(lm, residuals=any(stage.residuals for stage in in_order(cfg.probes)))
     select_cases(cfg, lm, sel, folder, watch, pairs)
     tables = run_probes(cfg, lm, sel.valid, folder, watch, pairs)
     rule = learn_rule(cfg, tables.get("locality", pd.DataFrame()), sel, out)
@@ -317,9 +319,6 @@ def run_compose_stage(cfg: RunConfig, lm, folder: ResultsFolder, watch: Stopwatc
     return summarize_compose(composed).to_dict("records")
 
 
-PROFILED = ("validity", "locality", "attention", "knockout", "linear", "edits", "compose")
-
-
 def run_profile(watch: Stopwatch, sel: Selection, out: Path) -> dict:
     """What the run cost, in prefill-equivalents: each stage's time over one full prefill of a
     prompt, measured in the same run (the oracle's repair: a prefill of the new prompt's [0, D),
@@ -333,7 +332,8 @@ def run_profile(watch: Stopwatch, sel: Selection, out: Path) -> dict:
     n = len(sel.valid_ids)
     if not n or not prefill_s > 0:
         return {}
-    per = {st: round(watch.wall[st] / n / prefill_s, 3) for st in PROFILED if st in watch.wall}
+    profiled = ("validity", *STAGES, "edits", "compose")  # every registered probe, in registration order
+    per = {st: round(watch.wall[st] / n / prefill_s, 3) for st in profiled if st in watch.wall}
     return {"prefill_s": round(prefill_s, 4), "valid_cases": n, "per_valid_case": per,
             "total_per_valid_case": round(sum(per.values()), 3),
             "cases": {st: {key: round(sec / prefill_s, 3) for key, sec in times.items()}

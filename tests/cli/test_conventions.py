@@ -205,6 +205,11 @@ def test_cli_help_facts_match_their_homes():
     builtin = [c for c in strategies.STRATEGIES.values() if c.__module__ == strategies.__name__]
     assert options.STRATEGY_GRAMMAR == ", ".join(c.grammar() for c in builtin)
     assert options.PROBES == ", ".join(n for n, s in STAGES.items() if s.build.__module__.startswith("kvprobe.probes"))
+    from kvprobe.catalog import toy_family_names
+    from kvprobe.cli.toy import FAMILY_HELP
+    from kvprobe.models.toy_folder import toy_families
+
+    assert toy_family_names() == toy_families() and FAMILY_HELP == "gemma2, gemma3, llama, mistral, qwen2 or qwen3"
     cfg = RunConfig()
     assert (cfg.model, cfg.budget, cfg.threshold, cfg.min_flip, cfg.form, tuple(cfg.strategies)) == (
         options.DEFAULTS["model"], options.DEFAULTS["budget"], options.DEFAULTS["threshold"],

@@ -8,17 +8,14 @@ from typing import Annotated
 
 import typer
 
-from kvprobe.defaults import (DEFAULT_BUDGET, DEFAULT_FORM, DEFAULT_MIN_FLIP, DEFAULT_MODEL, DEFAULT_N, DEFAULT_STRATEGIES,
-                              DEFAULT_THRESHOLD, FORMS)
+from kvprobe import catalog
+from kvprobe.defaults import (DEFAULT_BUDGET, DEFAULT_FORM, DEFAULT_MIN_FLIP, DEFAULT_MODEL, DEFAULT_N,
+                              DEFAULT_STRATEGIES, DEFAULT_THRESHOLD, FORMS)
 
-# The built-in strategies' grammar (kvprobe.editor.strategies.spec_grammar() on the built-in
-# registry; tests/cli/test_conventions.py checks it is current). A strategy registered by a plugin
-# shows in `kvprobe strategies`.
-STRATEGY_GRAMMAR = ("stale, field_only, selective:K:RANKING (RANKING in causal/random/attention/recency/"
-                    "aggregators), cacheblend:R (0<R<=1), erratum[:paper|short], field_erratum[:paper|short], "
-                    "erratum_turn[:paper|short], field_erratum_turn[:paper|short], hoist, oracle, auto[:TOPK.YAML] "
-                    "(TOPK.YAML a policy file of this model)")
-PROBES = "locality, attention, knockout, linear"  # the built-in probes, in the order they run
+# The built-in strategies' grammar and probes, from the light registry (kvprobe.catalog, which
+# imports no torch). A strategy registered by a plugin shows in `kvprobe strategies`.
+STRATEGY_GRAMMAR = ", ".join(catalog.STRATEGY_GRAMMAR)
+PROBES = ", ".join(catalog.PROBES)  # the built-in probes, in the order they run
 
 Model = Annotated[str, typer.Option(help="model spec: a bundled alias, tiny-<family>, toy-<family>, a .gguf "
                                          "path, a local Hugging Face folder or a toy folder; see `kvprobe models`")]

@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from kvprobe.catalog import toy_family_names
 from kvprobe.cli import options as opt
 from kvprobe.cli.common import console, err_console, load_with_status, progress_bar, say, usable_out
 from kvprobe.errors import UsageError
@@ -15,7 +16,8 @@ from kvprobe.errors import UsageError
 toy_app = typer.Typer(help="Toy field-edit models: a small model of each family that decides by the field, "
                            "shipped with kvprobe and reproducible from its recipe in minutes.", no_args_is_help=True)
 
-FAMILY_HELP = "llama, qwen2, qwen3, gemma2, gemma3 or mistral"
+_TOYS = toy_family_names()  # every family file with a toy: key, read without torch
+FAMILY_HELP = ", ".join(_TOYS[:-1]) + " or " + _TOYS[-1] if len(_TOYS) > 1 else "".join(_TOYS)
 
 
 def metrics_table(title: str, metrics: dict) -> Table:

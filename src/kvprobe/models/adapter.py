@@ -8,16 +8,14 @@ i use") and never spell ``self_attn.k_proj`` themselves.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 from typing import Annotated, Any
 
 import torch
 import yaml
 from pydantic import Field
 
+from kvprobe.catalog import FAMILY_PATH, family_files
 from kvprobe.errors import KvprobeError
 from kvprobe.schema import File, Text, validate
 
@@ -55,7 +53,6 @@ class Family:
     toy: dict | None = None  # the toy model's config overrides (absent: no toy for this family)
 
 
-FAMILY_PATH = "KVPROBE_FAMILY_PATH"  # more folders of family files, separated like PATH
 HINT = "see src/kvprobe/models/families/llama.yaml for the keys"
 
 
@@ -110,19 +107,6 @@ class FamilyFile(File):
     toy: dict[str, Any] | None = None
 
 
-def _family_files() -> list:
-    """The package's family files, then each folder's in ``$KVPROBE_FAMILY_PATH`` (``(entry, builtin)``)."""
-    packaged = resources.files("kvprobe.models") / "families"  # read as a folder, not imported as a package
-    files = [(e, True) for e in sorted((e for e in packaged.iterdir() if e.name.endswith(".yaml")),
-                                       key=lambda e: e.name)]
-    seen = set()
-    for folder in (Path(f) for f in os.environ.get(FAMILY_PATH, "").split(os.pathsep) if f):
-        if folder.resolve() not in seen:  # a folder named twice is read once
-            seen.add(folder.resolve())
-            files += [(f, False) for f in sorted(folder.glob("*.yaml"))]
-    return files
-
-
 def read_family(entry) -> Family:
     """One family file, checked against :class:`FamilyFile`; a file that is not one (unreadable, not
     UTF-8, not YAML, empty, not a mapping, a key missing, unknown or of the wrong type) is a one-line
@@ -161,7 +145,7 @@ def families() -> dict[str, Family]:
     both files."""
     out: dict[str, Family] = {}
     where: dict[str, tuple] = {}  # family name -> (file, builtin)
-    for entry, builtin in _family_files():
+    for entry, builtin in family_files():
         fam = read_family(entry)
         if fam.family in out:
             raise KvprobeError(f"{entry} names {_family_of(fam.family, *where[fam.family])}; a family file may add "

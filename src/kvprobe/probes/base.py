@@ -9,10 +9,11 @@ the two prompts again; a probe run on its own builds it when ``pc`` is None.
 
 Each probe module registers a :class:`ProbeStage`: the name a run config uses, the table it
 writes, the probes whose tables it reads (``needs``), how to build the probe from the run's
-:class:`Inputs`, and the id of the report section that draws its table. The run loops over
-:func:`in_order`; the report draws every section whose table a folder has. Adding a probe is
-one module here, one section (module + template) in :mod:`kvprobe.reports.sections` and a test
-(docs/extending.md).
+:class:`Inputs`, whether it reads the residual streams (``residuals``), and the id of the report
+section that draws its table. The run loops over :func:`in_order` and profiles every stage it ran;
+the report draws every section whose table a folder has. Adding a built-in probe is one module
+here, its name in :data:`kvprobe.catalog.PROBES`, and one section (module + template) in
+:mod:`kvprobe.reports.sections` (docs/extending.md).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class ProbeStage:
     needs: tuple[str, ...] = ()  # stages that run first; their tables reach build() when they ran
     sections: tuple[str, ...] = ()  # ids of the report sections that draw the table
     derived: Callable[[pd.DataFrame], dict[str, pd.DataFrame]] = lambda table: {}  # more files from the table
+    residuals: bool = False  # reads each case's residual streams (Inputs.pairs keeps them until it ran)
 
 
 STAGES: dict[str, ProbeStage] = {}

@@ -265,4 +265,5 @@ def _build(inputs: Inputs) -> Linear:
     return Linear(model_name=inputs.model_name, notes=notes or None, memo=inputs.pairs)
 
 
-STAGE = register(ProbeStage("linear", LINEAR, _build, per_case=False, needs=("locality",), sections=("linear",)))
+STAGE = register(ProbeStage("linear", LINEAR, _build, per_case=False, needs=("locality",), sections=("linear",),
+                            residuals=True))
