@@ -127,6 +127,17 @@ class EditState:
         return list(self.edited.tail_ids)
 
     @property
+    def ids(self) -> list[int]:
+        """The full token ids this state stands for: the :attr:`cache`'s positions, then
+        :attr:`tail_ids` (the new prompt for a repair in place; the prompt with its erratum for an
+        erratum). ``model.generate(input_ids=ids, cache=copy_of_cache)`` continues it."""
+        n = kvcache.seq_len(self.edited.cache)
+        if len(self.edited.ids) != n + len(self.edited.tail_ids):
+            raise UsageError(f"strategy {self.chose!r} does not record the token ids its cache stands for "
+                             f"(Edited.ids); a strategy registered outside kvprobe sets them to generate")
+        return list(self.edited.ids)
+
+    @property
     def recomputed(self) -> float:
         return float(self.edited.recomputed)
 
@@ -160,25 +171,42 @@ class EditState:
         return max(scores, key=scores.get)
 
     @torch.no_grad()
-    def generate(self, max_new_tokens: int = 32) -> str:
-        """Greedy text from this state (on a copy of its cache), up to an end-of-sequence token."""
+    def generate(self, max_new_tokens: int = 32, *, return_ids: bool = False, **generate_kwargs):
+        """Text generated from this state by transformers' ``model.generate`` on a copy of the repaired
+        cache (the state itself never changes): greedy by default; ``generate_kwargs`` are
+        ``generate``'s own (``do_sample``, ``temperature``, ``top_p``, ``stopping_criteria``,
+        ``stop_strings``, a ``generation_config``, a ``streamer``...). Returns the new text, or the
+        new token ids with ``return_ids=True``. Sampling draws from torch's global generator:
+        ``torch.manual_seed`` first for a repeatable draw."""
+        ids = self.ids
+        if "stop_strings" in generate_kwargs:
+            generate_kwargs.setdefault("tokenizer", self.lm.tokenizer)
+        if generate_kwargs.get("generation_config") is None:
+            generate_kwargs.setdefault("do_sample", False)
         with self.lm.lock:
-            cache, eos, out = kvcache.copy(self.edited.cache), _eos_ids(self.lm), []
-            logits = kvcache.forward(self.lm.model, torch.tensor([self.edited.tail_ids]), cache, logits_to_keep=1
-                                     ).logits[0, -1]
-            for _ in range(max_new_tokens):
-                nxt = int(logits.argmax())
-                if nxt in eos:
-                    break
-                out.append(nxt)
-                logits = kvcache.forward(self.lm.model, torch.tensor([[nxt]]), cache).logits[0, -1]
-        return self.lm.tokenizer.decode(out)
+            device = self.lm.model.device
+            input_ids = torch.tensor([ids], device=device)
+            out = self.lm.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                         cache=kvcache.copy(self.edited.cache),
+                                         max_new_tokens=max_new_tokens,
+                                         pad_token_id=_pad_id(self.lm), **generate_kwargs)
+        new = out[0, len(ids):].tolist()
+        eos = _eos_ids(self.lm)
+        new = new[: next((i for i, t in enumerate(new) if t in eos), len(new))]  # the text stops before its end
+        return new if return_ids else self.lm.tokenizer.decode(new)
 
     def _options(self, options: list[str] | None) -> list[str]:
         options = list(options or self.options)
         if len(options) < 2:
             raise UsageError("scores need at least two options: ctx.ask(question, options=[...]) or scores(options)")
         return options
+
+
+def _pad_id(lm) -> int | None:
+    """The id generate pads with: the tokenizer's pad token, else its end of sequence (one sequence
+    is never padded; transformers only warns when none is given)."""
+    pad = lm.tokenizer.pad_token_id
+    return pad if pad is not None else next(iter(sorted(_eos_ids(lm))), None)
 
 
 def _first_ids(lm, option: str) -> list[int]:
@@ -295,7 +323,7 @@ class EditableContext:
     def read(self) -> EditState:
         """The state of the unedited context (the decision as prefilled)."""
         self.prefill()
-        edited = Edited(self._cache, [self._ids[-1]], 0, len(self._ids))
+        edited = Edited(self._cache, [self._ids[-1]], 0, len(self._ids), ids=list(self._ids))
         ids = {o: _first_ids(self.lm, o) for o in self.options}
         return EditState(self.lm, edited, "stale", "stale", options=self.options, option_ids=ids)
 

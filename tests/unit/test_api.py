@@ -78,6 +78,71 @@ def test_generate_reads_the_same_first_token_as_the_logits(toy, cases):
     assert state.generate(3).startswith(first.strip())
 
 
+def greedy_by_hand(state, n: int) -> list[int]:
+    """Greedy decoding by plain forward passes on a copy of the state's cache (no end-of-sequence
+    stop): what transformers' generate must reproduce."""
+    from kvprobe.kv import cache as kvcache
+
+    cache, out = kvcache.copy(state.cache), []
+    with torch.no_grad():
+        logits = kvcache.forward(state.lm.model, torch.tensor([state.tail_ids]), cache).logits[0, -1]
+        for _ in range(n):
+            out.append(int(logits.argmax()))
+            logits = kvcache.forward(state.lm.model, torch.tensor([[out[-1]]]), cache).logits[0, -1]
+    return out
+
+
+def test_generate_is_transformers_generate_on_the_repaired_cache():
+    """Greedy ``generate`` on each repair equals decoding its cache by hand; a repair that
+    recomputes every downstream token generates what the oracle generates, token for token;
+    sampling options and stopping criteria are transformers' own; the state is left as it was."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    lm = kvprobe.load("tiny-llama")
+    ctx = kvprobe.EditableContext(lm, form="raw")
+    ctx.add_text("Policy: loans are issued only if the tier is gold.\nRecord: tier ").add_field("tier", "gold")
+    ctx.add_text(". The applicant has been a customer for years.").ask("Is the loan issued?", ["yes", "no"])
+    a = ctx.context("tier", "silver").a
+    downstream = a.decision_pos - a.field[1]
+    states = {s: ctx.edit(s, tier="silver") for s in ("stale", "field_only", "erratum_turn", "oracle",
+                                                       f"selective:{downstream}:recency")}
+    for name, state in states.items():
+        assert len(state.ids) == len(state.tail_ids) + state.cache.get_seq_length(), name
+        before = state.logits.clone()
+        ids = state.generate(12, return_ids=True)
+        assert ids == greedy_by_hand(state, 12)[: len(ids)] and len(ids) == 12, name  # tiny-llama ends nowhere
+        assert torch.equal(state.logits, before) and state.generate(12, return_ids=True) == ids, name
+    oracle = states["oracle"]
+    greedy = oracle.generate(12, return_ids=True)
+    assert states[f"selective:{downstream}:recency"].generate(12, return_ids=True) == greedy
+    assert states["oracle"].ids == a.ids_new and states["stale"].ids == a.ids_old
+    assert states["erratum_turn"].ids[-len(states["erratum_turn"].tail_ids):] == states["erratum_turn"].tail_ids
+    torch.manual_seed(0)
+    drawn = oracle.generate(12, return_ids=True, do_sample=True, temperature=5.0)
+    torch.manual_seed(0)
+    assert oracle.generate(12, return_ids=True, do_sample=True, temperature=5.0) == drawn != greedy
+    assert oracle.generate(12, return_ids=True, do_sample=True, top_k=1) == greedy
+
+    class AfterFour(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= len(oracle.ids) + 4)
+
+    assert oracle.generate(12, return_ids=True, stopping_criteria=StoppingCriteriaList([AfterFour()])) == \
+        oracle.generate(4, return_ids=True)
+
+
+def test_generate_stops_at_a_stop_string():
+    """``stop_strings`` (transformers needs the tokenizer for them, which generate passes) on a real
+    tokenizer (transformers' stop-string matcher cannot index the toys' and tiny models' own)."""
+    lm = kvprobe.load("smollm2-135m")
+    ctx = kvprobe.EditableContext(lm).add_text("The tier is ").add_field("tier", "gold")
+    state = ctx.ask("Name three colours.").edit("oracle", tier="silver")
+    text = state.generate(10)
+    stop = text.strip().split()[1]
+    cut = state.generate(10, stop_strings=[stop])
+    assert len(text.split()) > 2 and cut.endswith(stop) and text.startswith(cut) and len(cut) < len(text)
+
+
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_a_user_loaded_model_and_nnsight_give_the_spec_paths_logits(cases, attn):
     """The bundled smollm2-135m by spec, and its folder loaded by transformers and wrapped by
@@ -293,8 +358,9 @@ def test_a_policy_path_is_loaded_and_a_bad_one_refused_in_one_line(toy, cases, t
 
 def test_the_api_in_a_notebook(toy, cases):
     """Tab completion lists the lazy exports; an EditState prints in one short line and as a small
-    HTML table, and turns into a dict or a one-row DataFrame; many edits share the one prefill and
-    come back as one DataFrame, each row equal to its own edit()."""
+    HTML table, and turns into a dict or a one-row DataFrame; a batch of 20 edits shares the one
+    prefill and comes back as one DataFrame, each row equal to its own edit() (generate on a
+    repaired cache: test_generate_is_transformers_generate_on_the_repaired_cache)."""
     import pandas as pd
 
     assert {"load", "EditableContext", "EditState", "diagnose_case", "policy"} <= set(dir(kvprobe))
@@ -308,10 +374,12 @@ def test_the_api_in_a_notebook(toy, cases):
     assert d["recomputed"] == state.recomputed and d["repair_s"] == state.repair_s
     assert list(state.to_frame().columns) == list(d) and "<table>" in state._repr_html_()
     assert state.tail_ids and type(state.cache).__name__ == "DynamicCache"
-    others = [c.new_value for c in cases if c.field == case.field and c.new_value != case.old_value][:3]
-    values = list(dict.fromkeys([case.new_value, *others]))
+    width = len(toy.tokenizer(case.old_value, add_special_tokens=False).input_ids)
+    pool = [v for c in generate(300, seed=3) for v in (c.old_value, c.new_value)]
+    values = [v for v in dict.fromkeys([case.new_value, *pool]) if v != case.old_value
+              and len(toy.tokenizer(v, add_special_tokens=False).input_ids) == width][:20]  # a batch of 20 edits
     table = ctx.edits("erratum_turn", **{case.field: values})
-    assert isinstance(table, pd.DataFrame) and list(table["new_value"]) == values
+    assert isinstance(table, pd.DataFrame) and list(table["new_value"]) == values and len(table) == 20
     assert list(table.columns[:2]) == ["field", "new_value"] and set(d) <= set(table.columns)
     for row in table.itertuples():
         alone = ctx.edit("erratum_turn", **{case.field: row.new_value})

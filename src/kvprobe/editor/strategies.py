@@ -158,7 +158,7 @@ def _selected(ctx: EditContext, downstream: list[int]) -> Edited:
     f0, f1 = ctx.a.field
     positions = list(range(f0, f1)) + downstream
     cache = recompute_positions(ctx.lm, ctx.old_cache, ctx.a.ids_new, positions)
-    return Edited(cache, [ctx.a.ids_new[ctx.D]], len(positions), ctx.D + 1)
+    return Edited(cache, [ctx.a.ids_new[ctx.D]], len(positions), ctx.D + 1, ids=ctx.a.ids_new[: ctx.D + 1])
 
 
 def apply_selective_many(ctx: EditContext, strategies: list["Selective"]) -> list[Edited]:
@@ -173,7 +173,8 @@ def apply_selective_many(ctx: EditContext, strategies: list["Selective"]) -> lis
     sets = [list(range(f0, f1)) + rank_downstream(ctx, s.ranking)[: s.k] for s in strategies]
     caches = recompute_many(ctx.lm, ctx.old_cache, ctx.a.ids_new, sets)
     share = (time.perf_counter() - start) / len(strategies)
-    return [Edited(cache, [ctx.a.ids_new[ctx.D]], len(positions), ctx.D + 1, wall_s=share)
+    return [Edited(cache, [ctx.a.ids_new[ctx.D]], len(positions), ctx.D + 1, wall_s=share,
+                   ids=ctx.a.ids_new[: ctx.D + 1])
             for cache, positions in zip(caches, sets)]
 
 
@@ -195,7 +196,7 @@ def _with_erratum(ctx: EditContext, template: str, base: DynamicCache, base_ids:
     shared = next((i for i, (x, y) in enumerate(zip(ids, base_ids[: ctx.D])) if x != y), min(len(ids), ctx.D))
     cache = kvcache.crop(base, shared)
     tail = ids[shared:]
-    return Edited(cache, tail, extra_recomputed + len(tail) - 1, len(ids))
+    return Edited(cache, tail, extra_recomputed + len(tail) - 1, len(ids), ids=ids)
 
 
 @register("stale")
@@ -204,7 +205,7 @@ class Stale(Strategy):
     """The old cache as it is."""
 
     def apply(self, ctx: EditContext) -> Edited:
-        return Edited(ctx.old_cache, [ctx.a.ids_old[ctx.D]], 0, ctx.D + 1)
+        return Edited(ctx.old_cache, [ctx.a.ids_old[ctx.D]], 0, ctx.D + 1, ids=ctx.a.ids_old[: ctx.D + 1])
 
 
 @register("field_only")
@@ -275,7 +276,7 @@ class CacheBlend(Strategy):
         chosen = torch.argsort(deviation, descending=True, stable=True)[:n].tolist()
         cache = recompute_positions(lm, ctx.old_cache, ctx.a.ids_new, chosen)
         check_cost = D * (check_layer + 1) / len(layers)
-        return Edited(cache, [ctx.a.ids_new[D]], n + check_cost, D + 1,
+        return Edited(cache, [ctx.a.ids_new[D]], n + check_cost, D + 1, ids=ctx.a.ids_new[: D + 1],
                       note=f"field recomputed: {set(range(*ctx.a.field)) <= set(chosen)}")
 
 
@@ -363,7 +364,7 @@ class Hoist(Strategy):
         # the deployment's cached prefix
         _, cache = kvcache.prefill(ctx.lm.model, torch.tensor(hoisted.ids_old[:f0]), logits_to_keep=1)
         return Edited(cache, hoisted.ids_new[f0 : D + 1], D - f0, D + 1, rewritten_prompt=True,
-                      setup_s=time.perf_counter() - start)
+                      ids=hoisted.ids_new[: D + 1], setup_s=time.perf_counter() - start)
 
 
 @register("oracle")
@@ -373,7 +374,7 @@ class Oracle(Strategy):
 
     def apply(self, ctx: EditContext) -> Edited:
         _, cache = kvcache.prefill(ctx.lm.model, torch.tensor(ctx.a.ids_new[: ctx.D]), logits_to_keep=1)
-        return Edited(cache, [ctx.a.ids_new[ctx.D]], ctx.D, ctx.D + 1)
+        return Edited(cache, [ctx.a.ids_new[ctx.D]], ctx.D, ctx.D + 1, ids=ctx.a.ids_new[: ctx.D + 1])
 
 
 # -- choosing per edit ----------------------------------------------------------------------------

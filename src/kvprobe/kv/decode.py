@@ -9,7 +9,7 @@ entries. :func:`decide_many` does the same for several caches, batched.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
@@ -23,7 +23,10 @@ class Edited:
 
     ``cache`` holds ``n`` entries whose RoPE positions are 0..n-1; ``tail_ids`` are fed at
     positions n.. (the last one is the decision token). ``recomputed`` counts tokens whose K/V
-    the repair computed, the tail included, the decision token excluded.
+    the repair computed, the tail included, the decision token excluded. ``ids`` are the token ids
+    the whole sequence stands for (the cache's ``n`` positions, then ``tail_ids``): the new prompt
+    for a repair in place, the prompt with its erratum for an erratum; empty where a strategy
+    registered outside kvprobe does not say.
     """
 
     cache: DynamicCache
@@ -35,6 +38,7 @@ class Edited:
     note: str = ""
     setup_s: float = 0.0  # time spent building what a deployment would already hold (not a cost)
     chose: str = ""  # the repair a choosing strategy (auto) settled on, with ``note`` saying why
+    ids: list[int] = field(default_factory=list)  # the tokens the cache's positions and the tail stand for
 
 
 COT_CUE = "\nAnswer:"
