@@ -183,3 +183,89 @@ def test_a_user_family_file_is_read_once_and_keeps_its_optional_keys_absent(tmp_
     finally:
         monkeypatch.delenv("KVPROBE_FAMILY_PATH")
         families.cache_clear()
+
+
+# -- each example added inside kvprobe touches only the files docs/extending.md names ----------------
+SRC = Path(__file__).resolve().parents[2] / "src" / "kvprobe"
+
+
+def _in_package(example: str) -> dict[str, str]:
+    """The example as built-in code: file (relative to src/kvprobe) -> its new text. These are the
+    files the doc names for it; nothing else changes."""
+    if example == "probe":
+        probe_code, section_code = blocks("A probe", "python")
+        (template,) = blocks("A probe", "html")
+        catalog = (SRC / "catalog.py").read_text()
+        old = 'PROBES = ("locality", "attention", "knockout", "linear")'
+        assert old in catalog
+        section_code = section_code.replace('template="kv_drift.html"', 'template="sections/kv_drift.html"')
+        return {"probes/kv_drift.py": probe_code, "catalog.py": catalog.replace(old, old[:-1] + ', "kv_drift")'),
+                "reports/sections/kv_drift.py": section_code.replace(" template_dir=TEMPLATE_DIR,", ""),
+                "reports/templates/sections/kv_drift.html": template}
+    if example == "strategy":
+        (code,) = blocks("An edit strategy", "python")
+        code = code.replace("from kvprobe import editor\n", "").replace("editor.", "")  # inside kvprobe.editor
+        code = "\n".join(ln for ln in code.splitlines() if not ln.startswith(("from ", "import ")))
+        catalog = (SRC / "catalog.py").read_text()
+        old = '"auto[:TOPK.YAML] (TOPK.YAML a policy file of this model)")'
+        assert old in catalog
+        return {"editor/strategies.py": (SRC / "editor" / "strategies.py").read_text() + "\n\n" + code,
+                "catalog.py": catalog.replace(old, old[:-1] + ', "field_next:N (N >= 0)")')}
+    (yaml_text,) = blocks("A model family", "yaml")
+    return {"models/families/granite.yaml": yaml_text}
+
+
+CHECKS = {  # what knows the new thing once only those files changed (run in a fresh interpreter)
+    "probe": """
+from kvprobe import catalog, config
+from kvprobe.cli import options
+from kvprobe.probes import STAGES, in_order
+from kvprobe.reports.sections import SECTIONS
+from kvprobe.pipeline import Stopwatch, run_profile
+assert list(STAGES)[-1] == "kv_drift" and in_order(["kv_drift", "locality"])[-1].name == "kv_drift"
+assert "kv_drift" in config.ALL_PROBES and "kv_drift" in config.RunConfig().probes  # run's default: every probe
+assert options.PROBES.endswith(", kv_drift")  # kvprobe run --probes's default and help
+assert SECTIONS["kv_drift"].needs == "kv_drift.parquet"
+import pandas as pd, tempfile, pathlib, types
+out = pathlib.Path(tempfile.mkdtemp())
+pd.DataFrame({"strategy": ["oracle"], "cot": [0], "case_id": ["c"], "wall_s": [0.5]}).to_parquet(out / "edits.parquet")
+watch = Stopwatch(lambda name, total: lambda: None)
+watch.wall = {"validity": 1.0, "locality": 1.0, "kv_drift": 2.0, "edits": 1.0}
+profile = run_profile(watch, types.SimpleNamespace(valid_ids=["c"]), out)
+assert profile["per_valid_case"]["kv_drift"] == 4.0, profile  # profiled like every registered probe
+""",
+    "strategy": """
+from kvprobe import editor
+from kvprobe.cli import options
+assert editor.parse_strategy("field_next:4").n == 4
+assert options.STRATEGY_GRAMMAR == editor.spec_grammar() and "field_next:N (N >= 0)" in options.STRATEGY_GRAMMAR
+""",
+    "family": """
+from kvprobe.models import families, load_model
+from kvprobe.models.tiny import tiny_names
+assert "granite" in families() and "tiny-granite" in tiny_names()
+assert load_model("tiny-granite").info.family == "granite"
+""",
+}
+
+
+@pytest.mark.parametrize("example", ["probe", "strategy", "family"])
+def test_adding_an_example_inside_kvprobe_touches_only_the_files_the_doc_names(tmp_path, example):
+    import shutil
+    import subprocess
+
+    files = _in_package(example)
+    doc = " ".join(DOC.read_text().split())
+    for rel in files:
+        assert f"src/kvprobe/{rel.replace('kv_drift', '<name>')}" in doc, rel
+    counts = {"probe": "four files", "strategy": "two files", "family": "one file"}
+    assert f"is {counts[example]}" in doc, counts[example]
+    copy = tmp_path / "kvprobe"
+    shutil.copytree(SRC, copy, ignore=shutil.ignore_patterns("__pycache__", "toys"))
+    for rel, text in files.items():
+        (copy / rel).write_text(text)
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    env.pop("KVPROBE_FAMILY_PATH", None)
+    code = f"import kvprobe; assert kvprobe.__file__.startswith({str(tmp_path)!r})\n" + CHECKS[example]
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
