@@ -1,5 +1,6 @@
-"""The per-model top-K configuration for serving: K*, the ranking rule, the erratum template, and
-the evidence per strategy (``strategies``). :mod:`kvprobe.policy` reads it back.
+"""The per-model policy file ``topk.yaml`` (:data:`~kvprobe.policy.TOPK_FILE`), written for serving:
+K*, the ranking rule, the erratum template, and the evidence per strategy (``strategies``).
+:mod:`kvprobe.policy` reads it back as a :class:`~kvprobe.policy.Policy`.
 
 K* is the smallest K at which ``selective(K, causal)`` agrees with the oracle on held-out cases
 (cases not used to learn the ranking) with the lower end of its Wilson 95% interval at or above
