@@ -239,6 +239,10 @@ def test_validate_cli_writes_table_and_gates(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "a" / "compose_manifest.json").read_text())["kvprobe_validate"] == 1  # its version
 
     real = composer.run_compose
+    monkeypatch.setattr(gate, "run_compose", lambda *a, **k: real(*a, **k).assign(agree=True))
+    res = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "all"), "--threshold", "0.5"])
+    assert isinstance(res.exception, GateFailed) and "FAIL" in res.output  # 2 of 2 agree: the bound is 0.34
+    assert "lower bound 0.34 is below the threshold 0.5; all 2 agreeing would need n >= 4" in str(res.exception)
     monkeypatch.setattr(gate, "run_compose", lambda *a, **k: real(*a, **k).assign(agree=False))
     res = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "b"), "--threshold", "0.5"])
     assert isinstance(res.exception, GateFailed) and "FAIL" in res.output

@@ -294,12 +294,11 @@ def composition(run: Run) -> dict | None:
         seam = int(min(rot["seam"], key=lambda s: (abs(s - seam), s)))
     agree = Stat.share(rot[rot["seam"] == seam]["agree"].astype(float))
     st = stat_dict(agree)
-    passed = bool(agree.mean >= threshold)
-    return {"seam": seam, "threshold": threshold, "agreement": st, "passed": passed,
-            "established": bool(st["lo"] is not None and st["lo"] >= threshold),
+    passed = bool(st["lo"] is not None and st["lo"] >= threshold)  # the gate is the lower bound, as validate's
+    return {"seam": seam, "threshold": threshold, "agreement": st, "passed": passed, "established": passed,
             "sentence": (f"Composition gate {'passes' if passed else 'fails'}: a moved, re-rotated block agrees with "
-                         f"a full prefill {stat_text(st)} at seam {seam} (threshold {threshold:g}"
-                         f"{'' if not passed or st['lo'] >= threshold else '; its lower bound is below it'}).")}
+                         f"a full prefill {stat_text(st)} at seam {seam} (threshold {threshold:g} on the lower "
+                         f"bound{'' if passed or agree.mean < threshold else ', which is below it'}).")}
 
 
 def validity(run: Run) -> dict | None:
