@@ -29,10 +29,10 @@ def _stat(value, lo, hi, n):
     return {"value": value, "lo": lo, "hi": hi, "n": n}
 
 
-def _row(name, value, lo, n, frac, ms=10.0, kept=1.0, n_controls=90):
+def _row(name, value, lo, n, frac, seconds=0.01, kept=1.0, n_controls=90):
     return {"strategy": name, "n": n, "errors": 0, "agreement": _stat(value, lo, 1.0, n), "recovery": None,
-            "control_invariance": _stat(kept, 0.0, 1.0, n_controls), "frac_recomputed": frac, "repair_ms": ms,
-            "to_decision_ms": ms, "notes": []}
+            "control_invariance": _stat(kept, 0.0, 1.0, n_controls), "frac_recomputed": frac, "repair_s": seconds,
+            "to_decision_s": seconds, "notes": []}
 
 
 def test_summary_json_validates_and_headline_leads(tiny_results, tmp_path):
@@ -44,7 +44,7 @@ def test_summary_json_validates_and_headline_leads(tiny_results, tmp_path):
     assert path == folder / SUMMARY
     data = json.loads(path.read_text())
     jsonschema.validate(data, schema())
-    assert data["kvprobe_summary"] == 2 and data["headline"] and data["validity"]["decision"] == 3
+    assert data["kvprobe_summary"] == 3 and data["headline"] and data["validity"]["decision"] == 3
     assert [r["strategy"] for r in data["strategies"]] == ["stale", "field_only", "selective:4:random", "erratum",
                                                            "oracle"]
     html = render_html([folder])
@@ -70,7 +70,7 @@ def test_the_schema_refuses_what_it_does_not_describe(tiny_results):
 
 def test_repair_is_the_cheapest_whose_lower_bound_reaches_the_threshold():
     rows = [_row("stale", 1.0, 0.96, 90, 0.0), _row("field_only", 0.9, 0.82, 90, 0.01),
-            _row("erratum_turn", 1.0, 0.96, 90, 0.30, ms=5), _row("cacheblend:0.15", 1.0, 0.96, 90, 0.20, ms=50),
+            _row("erratum_turn", 1.0, 0.96, 90, 0.30, seconds=0.005), _row("cacheblend:0.15", 1.0, 0.96, 90, 0.20, seconds=0.05),
             _row("hoist", 1.0, 0.96, 90, 0.15), _row("oracle", 1.0, 0.96, 90, 1.0)]
     r = repair(rows, 0.95)  # hoist is cheaper but rewrites the prompt: never chosen (as Policy.cheapest)
     assert r["recommended"] == "cacheblend:0.15" and r["qualifying"] == ["cacheblend:0.15", "erratum_turn"]

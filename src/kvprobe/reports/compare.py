@@ -53,7 +53,7 @@ def headline_row(s: dict) -> dict:
             **_flat("downstream_recovery", w.get("downstream_recovery")),
             "repair": r.get("recommended"), "repair_closest": r.get("closest"),
             **_flat("repair_agreement", r.get("agreement")), "repair_frac_recomputed": r.get("frac_recomputed"),
-            "repair_to_decision_ms": r.get("to_decision_ms"), "k_star_status": k.get("status"),
+            "repair_to_decision_s": r.get("to_decision_s"), "k_star_status": k.get("status"),
             "k_star": k.get("k_star"), "k_candidate": k.get("k") if k.get("k_star") is None else None,
             **_flat("k_agreement", k.get("agreement")),
             "gate_passed": c.get("passed"), "gate_seam": c.get("seam"), **_flat("gate_agreement", c.get("agreement")),
@@ -63,7 +63,7 @@ def headline_row(s: dict) -> dict:
 def strategy_row(r: dict) -> dict:
     return {"strategy": r["strategy"], **_flat("agreement", r.get("agreement")),
             **_flat("recovery", r.get("recovery")), **_flat("control_invariance", r.get("control_invariance")),
-            "frac_recomputed": r.get("frac_recomputed"), "to_decision_ms": r.get("to_decision_ms"),
+            "frac_recomputed": r.get("frac_recomputed"), "to_decision_s": r.get("to_decision_s"),
             "notes": "; ".join(f"{n['note']} ({n['cases']} cases)" for n in r.get("notes") or [])}
 
 

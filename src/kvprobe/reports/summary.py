@@ -42,7 +42,8 @@ from kvprobe.sweep.summary import FIELD_ABOVE, NOTES_BELOW, verdict
 
 SUMMARY = "summary.json"
 SCHEMA = Path(__file__).with_name("summary.schema.json")
-SCHEMA_VERSION = 2  # 2: the repair rule needs both legs; per_field, why_not; the run's sizing
+SCHEMA_VERSION = 3  # 2: the repair rule needs both legs; per_field, why_not; the run's sizing. 3: durations in
+# seconds (repair_s, to_decision_s), as every other kvprobe file
 WHERE = {"takes notes": "downstream notes", "reads the field": "the field", "mixed": "mixed",
          "inconclusive": "inconclusive"}
 TOP_K = 8  # the top-notes figure quoted beside the verdict (the middle K when the run has no 8)
@@ -124,11 +125,11 @@ def strategy_rows(run: Run) -> list[dict]:
             row |= {"agreement": stat_dict(Stat(r.agreement, r.agreement_lo, r.agreement_hi,
                                                 int(r.n) - errors)),
                     "recovery": stat_dict(Stat(r.recovery, r.recovery_lo, r.recovery_hi, int(r.n_recovery))),
-                    "frac_recomputed": _num(r.frac_recomputed), "repair_ms": _num(r.wall_ms, 2),
-                    "to_decision_ms": _num(r.to_decision_ms, 2)}
+                    "frac_recomputed": _num(r.frac_recomputed), "repair_s": _num(r.wall_ms / 1000, 5),
+                    "to_decision_s": _num(r.to_decision_ms / 1000, 5)}
         else:
-            row |= {"agreement": None, "recovery": None, "frac_recomputed": None, "repair_ms": None,
-                    "to_decision_ms": None}
+            row |= {"agreement": None, "recovery": None, "frac_recomputed": None, "repair_s": None,
+                    "to_decision_s": None}
         rows.append(row)
     return rows
 
@@ -190,9 +191,9 @@ def _candidate(r: dict) -> Candidate:
     """A strategy row as :mod:`kvprobe.repair_rule` reads it (a case it could not repair counts against it)."""
     a, c = r["agreement"] or {}, r["control_invariance"] or {}
     agree = Leg.of(a.get("value"), a.get("n"))
-    ms = r["to_decision_ms"] if r["to_decision_ms"] is not None else r["repair_ms"]
-    return Candidate(r["strategy"], Leg(agree.k, agree.n + int(r.get("errors") or 0)), Leg.of(c.get("value"), c.get("n")),
-                     r["frac_recomputed"], ms / 1000 if ms is not None else None)
+    seconds = r["to_decision_s"] if r["to_decision_s"] is not None else r["repair_s"]
+    return Candidate(r["strategy"], Leg(agree.k, agree.n + int(r.get("errors") or 0)),
+                     Leg.of(c.get("value"), c.get("n")), r["frac_recomputed"], seconds)
 
 
 def repair(rows: list[dict], threshold: float) -> dict | None:
@@ -213,7 +214,7 @@ def repair(rows: list[dict], threshold: float) -> dict | None:
     out = {"rule": REPAIR_RULE, "threshold": threshold, "recommended": pick.name if pick else None,
            "closest": None if pick else near.name, "qualifying": [c.name for c in ok], "cases_to_establish": need,
            "per_field": by_kind, "why_not": None if pick else near.why_not(threshold)}
-    out |= {k: r[k] for k in ("agreement", "control_invariance", "frac_recomputed", "repair_ms", "to_decision_ms")}
+    out |= {k: r[k] for k in ("agreement", "control_invariance", "frac_recomputed", "repair_s", "to_decision_s")}
     cost_text = _cost_text(r)
     dec, ctl = by_kind["decision_fields"], by_kind["control_fields"]
     if pick:
@@ -241,9 +242,9 @@ def repair(rows: list[dict], threshold: float) -> dict | None:
 def _cost_text(r: dict) -> str:
     frac = f"{100 * r['frac_recomputed']:.1f}% of tokens recomputed" if r["frac_recomputed"] is not None else \
         "recomputed share not measured"
-    ms = r["to_decision_ms"] if r["to_decision_ms"] is not None else r["repair_ms"]
-    what = "to the decision" if r["to_decision_ms"] is not None else "repair"
-    return f"{frac}, {ms / 1000:.2f} s {what}" if ms is not None else frac
+    seconds = r["to_decision_s"] if r["to_decision_s"] is not None else r["repair_s"]
+    what = "to the decision" if r["to_decision_s"] is not None else "repair"
+    return f"{frac}, {seconds:.2f} s {what}" if seconds is not None else frac
 
 
 def _controls_text(r: dict) -> str:
