@@ -348,7 +348,7 @@ TABLE_SCHEMAS: dict[str, TableSchema] = {
                            flag="control correct_old correct_new flipped valid"),
     EDITS: table_schema("an edits table",
                         text="model case_id strategy ranking pred pred_oracle generated error note chose domain field "
-                             "template_id",
+                             "template_id kind",
                         number="k m m_stale m_oracle oracle_flip recovery cosine kl tokens_recomputed tokens_total "
                                "frac_recomputed wall_s decide_s cot n_tokens",
                         flag="agree correct rewritten_prompt control valid"),

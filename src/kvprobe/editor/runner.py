@@ -29,10 +29,14 @@ def edit_case(lm, a: AlignedCase, strategies: Sequence[Strategy], cot_tokens: in
 
     ``sweep`` (a K sweep's ``selective`` strategies) adds rows after the strategies' rows; they are
     recomputed one batch per K, and their ``wall_s`` is their batch's time shared by its rows.
+    Each row's ``kind`` says which it is: ``k_sweep`` (a sweep's row, on a decision or a control
+    case), ``control`` (a strategy on a negative control) or ``decision``, so that a groupby on
+    ``strategy`` within one kind never mixes them.
     Without CoT, the decisions of states of one shape (cache length and tail) are read as one
     batch; their ``decide_s`` is one read of that shape, timed on its own.
     """
     case = a.case
+    swept = {s.label for s in sweep} - {s.label for s in strategies}  # the rows of kind k_sweep
     if cot_tokens:  # with CoT every strategy reasons, each on its own
         strategies, sweep = [*strategies, *sweep], ()
     strategies = list({s.label: s for s in strategies}.values())  # one row per strategy, even if listed twice
@@ -84,6 +88,7 @@ def edit_case(lm, a: AlignedCase, strategies: Sequence[Strategy], cot_tokens: in
                        ("template_id", case.template_id), ("cot", cot_tokens), ("valid", ref.valid),
                        ("n_tokens", len(a.ids_old))):
         df[col] = value
+    df["kind"] = ["k_sweep" if s.label in swept else "control" if case.control else "decision" for s in strategies]
     return df
 
 
