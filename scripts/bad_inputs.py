@@ -515,7 +515,7 @@ def inputs(s: Path) -> list[Bad]:
         Bad(["compare", "run", "not-results"], "compare: a folder without a run", 3),
         Bad(["compare", "run", "no-such-folder"], "compare: missing folder", 3),
         Bad(["compare", "res-bad-edits"], "compare: corrupt edits.parquet", 3, quote="edits.parquet"),
-        Bad(["compare", "run", "--csv", "same.out", "--json", "same.out"], "compare: --csv and --json the same file",
+        Bad(["compare", "run", "--csv", "same.json", "--json", "same.json"], "compare: --csv and --json the same file",
             2),
         Bad(["compare", "run", "--html", "existing-folder"], "compare --html an existing folder", 2,
             quote="--html existing-folder"),

@@ -259,3 +259,41 @@ def test_output_off_a_terminal_is_never_cut(tmp_path):
     assert "``" not in proc.stdout and ":data:`" not in proc.stdout and ":meth:`" not in proc.stdout  # no Sphinx
     assert f"default: {','.join(DEFAULT_STRATEGIES)}" in proc.stdout
     assert max(len(line) for line in proc.stdout.splitlines()) > 200  # unwrapped: wider than the old fixed 170
+
+
+def test_json_is_one_option_on_every_command_that_has_it(tmp_path):
+    """``--json [PATH|-]`` is the same option on every command that gives JSON (diagnose, compare,
+    models, strategies): a path ending in .json, ``-`` or a bare ``--json`` for stdout (then stdout
+    holds the JSON alone), any other value refused in one line before any work."""
+    from typer.main import get_command
+
+    from kvprobe.cli import options as opt
+    from kvprobe.cli.app import app
+    from kvprobe.cli.argv import bare_json
+
+    def commands(cmd, path=()):
+        yield path, cmd
+        for name, sub in getattr(cmd, "commands", {}).items():
+            yield from commands(sub, (*path, name))
+
+    having = {" ".join(path): p for path, cmd in commands(get_command(app)) for p in cmd.params if "--json" in p.opts}
+    assert set(having) == {"diagnose", "compare", "models", "strategies"}
+    assert {(p.metavar, p.callback.__name__ if p.callback else None) for p in having.values()} == \
+        {("[PATH|-]", opt._json_dest.__name__)}
+    assert bare_json(["models", "--json"]) == ["models", "--json", "-"]
+    assert bare_json(["compare", "a", "--json", "--csv", "x.csv"]) == ["compare", "a", "--json", "-", "--csv", "x.csv"]
+    assert bare_json(["compare", "a", "--json", "c.json"]) == ["compare", "a", "--json", "c.json"]
+    assert bare_json(["diagnose", "--", "--json"]) == ["diagnose", "--", "--json"]
+    for command in ("models", "strategies"):
+        for args in (["--json"], ["--json", "-"]):
+            proc = kvprobe(command, *args, cwd=tmp_path)
+            assert proc.returncode == 0, proc.stderr
+            assert json.loads(proc.stdout)  # stdout is the JSON and nothing else
+        proc = kvprobe(command, "--json", "out.json", cwd=tmp_path)
+        assert proc.returncode == 0 and json.loads((tmp_path / "out.json").read_text()) == json.loads(
+            kvprobe(command, "--json", cwd=tmp_path).stdout)
+        assert "wrote" in proc.stdout and "name" in proc.stdout or "spec" in proc.stdout  # the table as well
+        proc = kvprobe(command, "--json", "notes.txt", cwd=tmp_path)
+        assert proc.returncode == 2 and proc.stderr.strip() == (
+            "error: --json 'notes.txt': give a path ending in .json, or - (or --json alone) for stdout")
+        assert not (tmp_path / "notes.txt").exists()

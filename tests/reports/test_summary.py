@@ -148,8 +148,11 @@ def test_compare_refusals_are_one_line(variant, tmp_path):
     (sweep / "sweep_manifest.json").write_text("{}")
     one_line_error(kvprobe("compare", str(empty)), "has no manifest.json", "`kvprobe run`")
     one_line_error(kvprobe("compare", str(sweep)), "is a `kvprobe sweep` folder", "kvprobe report")
-    one_line_error(kvprobe("compare", str(folder), "--csv", str(tmp_path / "x"), "--json", str(tmp_path / "x")),
-                   "name the same file")
+    one_line_error(kvprobe("compare", str(folder), "--csv", str(tmp_path / "x.json"), "--json",
+                           str(tmp_path / "x.json")), "name the same file")
+    one_line_error(kvprobe("compare", str(folder), "--json", str(tmp_path / "x.csv")), "give a path ending in .json")
+    proc = kvprobe("compare", str(folder), "--json")  # stdout: the JSON alone; the tables go to stderr
+    assert proc.returncode == 0 and json.loads(proc.stdout)["runs"][0]["model"] and "the answer" in proc.stderr
 
 
 KEPT = Path(__file__).resolve().parents[2] / "docs" / "summaries"

@@ -118,11 +118,12 @@ def _disk_error(exc: OSError) -> str:
 def _run_app() -> int:
     from typer.main import get_command
 
-    from kvprobe.cli.argv import check_args
+    from kvprobe.cli.argv import bare_json, check_args
 
     try:
-        check_args(get_command(app), sys.argv[1:])  # before anything runs
-        code = app(standalone_mode=False)
+        args = bare_json(sys.argv[1:])
+        check_args(get_command(app), args)  # before anything runs
+        code = app(args=args, standalone_mode=False)
     except KvprobeError as exc:
         _error(str(exc))
         return exc.exit_code

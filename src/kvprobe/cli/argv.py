@@ -9,7 +9,8 @@ against the click command tree and refuses, as a one-line :class:`~kvprobe.error
 - NaN for a float option, with the range it accepts.
 
 Anything it does not recognise (an unknown command or option, a missing value) is left to click,
-which reports it.
+which reports it. :func:`bare_json` gives a bare ``--json`` its optional value, ``-`` (stdout),
+which click cannot express.
 """
 
 from __future__ import annotations
@@ -18,6 +19,20 @@ import math
 import typing
 
 from kvprobe.errors import UsageError
+
+
+def bare_json(args: list[str]) -> list[str]:
+    """``args`` with ``-`` after each ``--json`` that has no value: the last argument, or one followed
+    by another option. (A value that is neither - nor a .json path is refused by the option itself,
+    so ``--json prompt.txt`` can never overwrite a file that is not JSON.)"""
+    out = []
+    for i, token in enumerate(args):
+        out.append(token)
+        if token == "--":
+            return out + args[i + 1:]
+        if token == "--json" and (i + 1 == len(args) or (args[i + 1].startswith("-") and args[i + 1] != "-")):
+            out.append("-")
+    return out
 
 
 def check_args(root, args: list[str]) -> None:

@@ -137,3 +137,21 @@ def usable_file(out: Path, option: str = "--out") -> Path:
         raise UsageError(f"{option} {out} is not a regular file (a device, pipe or socket); give a file path")
     usable_out(out.parent, option)  # Path("x").parent is Path(".")
     return out
+
+
+def emit_json(data, dest: str | None) -> None:
+    """``--json``'s output: ``data`` as indented JSON on stdout for ``-``, else written atomically to
+    the path (a line on the console says where); nothing without ``dest``."""
+    import json
+
+    if dest is None:
+        return
+    text = json.dumps(data, indent=2, default=str) + "\n"
+    if dest == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    from kvprobe.results import atomic_write
+
+    path = atomic_write(usable_file(Path(dest), "--json"), lambda tmp: tmp.write_text(text))
+    console.print(f"wrote {path}", highlight=False)

@@ -8,25 +8,27 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from kvprobe.cli.common import console
+from kvprobe.cli import options as opt
+from kvprobe.cli.common import console as stdout_console
+from kvprobe.cli.common import emit_json, err_console
 
 
 def compare(results_dirs: list[Path] = typer.Argument(..., help="`kvprobe run` results folders (models or runs)"),
             csv_out: Path | None = typer.Option(None, "--csv", help="also write one row per folder and strategy "
                                                                     "as CSV here"),
-            json_out: Path | None = typer.Option(None, "--json", help="also write the folders' summaries (the "
-                                                                      "summary.json schema) as JSON here"),
+            json_out: opt.Json = None,
             html_out: Path | None = typer.Option(None, "--html", help="also write a self-contained comparison "
                                                                       "page here"),
             threshold: float | None = typer.Option(None, min=0.0, max=1.0, show_default="each folder's topk.yaml, "
                                                    "else 0.95", help="agreement whose Wilson 95% lower bound a "
                                                                      "recommended repair and K* must reach")) -> None:
     """Compare results folders in one table: where the decision lives, the repair to use, K*, the
-    composition gate and valid cases per folder, then every strategy's agreement side by side."""
+    composition gate and valid cases per folder, then every strategy's agreement side by side.
+    ``--json`` gives the folders' summaries (the summary.json schema)."""
     from kvprobe.cli.common import usable_file
     from kvprobe.reports import compare as C
 
-    named = {"--csv": csv_out, "--json": json_out, "--html": html_out}
+    named = {"--csv": csv_out, "--json": None if json_out in (None, "-") else Path(json_out), "--html": html_out}
     outs = [p for p in named.values() if p is not None]
     for option, p in named.items():
         if p is not None:
@@ -36,6 +38,7 @@ def compare(results_dirs: list[Path] = typer.Argument(..., help="`kvprobe run` r
 
         raise UsageError("--csv, --json and --html name the same file; give each its own path")
     sums = C.summaries(results_dirs, threshold)
+    console = err_console if json_out == "-" else stdout_console  # stdout holds the JSON alone
     heads = [C.headline_cells(s) for s in sums]
     table = Table(title="the answer, per folder", show_lines=True)
     for col in heads[0]:
@@ -53,7 +56,9 @@ def compare(results_dirs: list[Path] = typer.Argument(..., help="`kvprobe run` r
     console.print(table)
     if csv_out:
         console.print(f"wrote {C.write_text(csv_out, C.to_csv(sums))}")
-    if json_out:
-        console.print(f"wrote {C.write_text(json_out, json.dumps(C.to_json(sums), indent=1) + chr(10))}")
+    if json_out == "-":
+        emit_json(C.to_json(sums), json_out)
+    elif json_out:
+        console.print(f"wrote {C.write_text(Path(json_out), json.dumps(C.to_json(sums), indent=1) + chr(10))}")
     if html_out:
         console.print(f"wrote {C.write_text(html_out, C.render_compare_html(sums))}")

@@ -13,7 +13,7 @@ import typer
 from rich.table import Table
 
 from kvprobe.cli import options as opt
-from kvprobe.cli.common import console, load_with_status, progress_bar
+from kvprobe.cli.common import console, emit_json, load_with_status, progress_bar
 from kvprobe.defaults import DIAGNOSE_STRATEGIES
 from kvprobe.errors import KvprobeError, UsageError
 
@@ -98,7 +98,7 @@ def diagnose(prompt: Prompt, model: opt.Model = opt.DEFAULTS["model"],
              policy: Path = typer.Option(None, help="a topk.yaml of this model (from `kvprobe export-topk`): auto "
                                                     "and selective:K:causal use it"),
              form: opt.Form = opt.DEFAULTS["form"],
-             as_json: bool = typer.Option(False, "--json", help="print one JSON object (rows, recommendation)"),
+             as_json: opt.Json = None,
              dtype: opt.Dtype = "float32", device: opt.Device = "cpu", device_map: opt.DeviceMap = "none",
              allow_failed_toy: opt.AllowFailedToy = False) -> None:
     """Diagnose one edit on your prompt: every strategy and auto against the oracle (agreement,
@@ -146,9 +146,10 @@ def diagnose(prompt: Prompt, model: opt.Model = opt.DEFAULTS["model"],
     advice = recommendation(rows)
     if as_json:
         records = json.loads(rows.to_json(orient="records"))
-        print(json.dumps({"model": model, "case_id": case.case_id, "field": case.field, "old_value": case.old_value,
-                          "rows": records, "recommendation": advice}, indent=2))
-        return
+        emit_json({"model": model, "case_id": case.case_id, "field": case.field, "old_value": case.old_value,
+                   "rows": records, "recommendation": advice}, as_json)
+        if as_json == "-":
+            return
     _print(rows, f"{model}: {case.field} = {case.old_value!r} -> …")
     for line in advice:
         console.print(line, highlight=False, markup=False)

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from kvprobe.cli import options as opt
-from kvprobe.cli.common import console, load_with_status, progress_bar, usable_out
+from kvprobe.cli.common import console, emit_json, load_with_status, progress_bar, usable_out
 from kvprobe.errors import CheckFailed, UsageError
 
 
@@ -75,11 +75,15 @@ def plain(doc: str) -> str:
     return re.sub(r"``([^`]+)``", r"\1", doc)
 
 
-def strategies() -> None:
+def strategies(as_json: opt.Json = None) -> None:
     """Every registered edit strategy's spec grammar, and the default set."""
     from kvprobe.defaults import DEFAULT_STRATEGIES
     from kvprobe.editor.strategies import STRATEGIES
 
+    emit_json({"strategies": [{"spec": cls.grammar(), "what": plain(" ".join((cls.__doc__ or "").split()))}
+                              for cls in STRATEGIES.values()], "default": list(DEFAULT_STRATEGIES)}, as_json)
+    if as_json == "-":
+        return
     table = Table(title="edit strategies (give them as comma-separated specs to --strategies)")
     for col in ("spec", "what it does"):
         table.add_column(col)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import typer
 
-from kvprobe.cli.common import console, say
+from kvprobe.cli import options as opt
+from kvprobe.cli.common import console, emit_json, say
 
 models_app = typer.Typer(help="List the models kvprobe knows, and fetch a bundled one.", invoke_without_command=True)
 
 
 @models_app.callback()
-def models_list(ctx: typer.Context) -> None:
+def models_list(ctx: typer.Context, as_json: opt.Json = None) -> None:
     """List bundled aliases, tiny and toy models, with family, size and cache state."""
     if ctx.invoked_subcommand is not None:
         return
@@ -20,16 +21,19 @@ def models_list(ctx: typer.Context) -> None:
     from kvprobe.models.tiny import TINY_VARIANTS
     from kvprobe.models.toy_folder import toy_rows
 
+    columns = ("name", "family", "params", "download", "cached", "notes")
+    rows = [(b.alias, b.family, b.params, f"{b.download_mb} MB", "yes" if is_cached(b.alias) else "no",
+             b.note or b.description) for b in BUNDLED.values()]
+    rows += [(name, TINY_VARIANTS[name][0] if name in TINY_VARIANTS else name[5:], "~0.1M", "-", "built",
+              "random weights, for exact mechanics tests") for name in tiny_names()]
+    rows += [tuple(row) for row in toy_rows()]
+    emit_json([dict(zip(columns, row)) for row in rows], as_json)
+    if as_json == "-":
+        return
     table = Table(title="kvprobe models")
-    for col in ("name", "family", "params", "download", "cached", "notes"):
+    for col in columns:
         table.add_column(col)
-    for b in BUNDLED.values():
-        table.add_row(b.alias, b.family, b.params, f"{b.download_mb} MB", "yes" if is_cached(b.alias) else "no",
-                      b.note or b.description)
-    for name in tiny_names():
-        fam = TINY_VARIANTS[name][0] if name in TINY_VARIANTS else name[5:]
-        table.add_row(name, fam, "~0.1M", "-", "built", "random weights, for exact mechanics tests")
-    for row in toy_rows():
+    for row in rows:
         table.add_row(*row)
     console.print(table)
 

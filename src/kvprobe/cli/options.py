@@ -92,6 +92,22 @@ AllowFailedToy = Annotated[bool, typer.Option("--allow-failed-toy", help="load a
                                                                           "manifest records a failed held-out check")]
 
 
+def _json_dest(value: str | None) -> str | None:
+    from kvprobe.errors import UsageError
+
+    if value is not None and value != "-" and not value.endswith(".json"):
+        raise UsageError(f"--json {value!r}: give a path ending in .json, or - (or --json alone) for stdout")
+    return value
+
+
+# --json [PATH|-] on every command that writes JSON: a path ending in .json, or stdout with "-"; a
+# bare --json (at the end, or before another option) means "-" (kvprobe.cli.argv.bare_json).
+# With stdout, the JSON is all a command prints there.
+Json = Annotated[str | None, typer.Option("--json", callback=_json_dest, show_default=False, metavar="[PATH|-]",
+                                          help="also give the result as JSON: to PATH (ending in .json), or to "
+                                               "stdout with - or a bare --json (then nothing else goes there)")]
+
+
 def _out_help(what: str) -> str:
     return (f"results folder ({what}); a rerun of the same command resumes there, a command with other settings "
             f"is refused")
