@@ -226,40 +226,6 @@ def test_an_edit_past_the_window_is_refused(toy, cases):
         ctx.edit(**{case.field: long_value})
 
 
-def test_the_readme_quickstart_runs_as_written():
-    from pathlib import Path
-
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    block = readme.split("## Quickstart", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
-    assert len(block.strip().splitlines()) <= 10
-    exec(compile(block, "README.md quickstart", "exec"), {})
-
-
-def test_the_readme_composer_snippet_and_example_config_run_as_written():
-    """The README's composer snippet defines what it uses and runs; its `kvprobe run --config` names a
-    file that ships and loads."""
-    from pathlib import Path
-
-    from kvprobe.config import RunConfig
-
-    root = Path(__file__).parents[2]
-    readme = (root / "README.md").read_text()
-    block = readme.split("## Composing cached blocks", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
-    scope: dict = {}
-    exec(compile(block, "README.md composer", "exec"), scope)
-    assert scope["c"].logits.shape[-1] == scope["lm"].model.config.vocab_size
-    assert "kvprobe run --config examples/run.yaml" in readme
-    assert RunConfig.from_yaml(root / "examples" / "run.yaml").model == "toy-qwen2"
-
-
-def test_the_api_docs_snippet_runs_as_written():
-    from pathlib import Path
-
-    doc = (Path(__file__).parents[2] / "docs" / "api.md").read_text()
-    block = doc.split("```python\n", 1)[1].split("```", 1)[0]
-    exec(compile(block, "docs/api.md", "exec"), {})
-
-
 def policy_of(*evidence, fields=None) -> "kvprobe.policy.Policy":
     """A policy from (spec, agreement, n, cost[, kept, n_controls]) entries (every control kept, as many
     controls as decision cases, unless given)."""
