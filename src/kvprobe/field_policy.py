@@ -19,7 +19,8 @@ import yaml
 
 from kvprobe.errors import KvprobeError
 
-SCHEMA = 1
+SCHEMA = 2  # 2: durations in seconds (to_decision_s), each statistic one {value, lo, hi, n} mapping
+READS = (1, 2)  # a version-1 file differs only in what no reader here uses (its strategies' evidence)
 WRITER = "`kvprobe calibrate`"
 
 
@@ -56,8 +57,9 @@ def _check(path: Path, data: dict, parse) -> FieldPolicy:
     def bad(where: str, what: str):
         raise KvprobeError(f"{path}: {where} {what}; {WRITER} writes this file") from None
 
-    if data.get("kvprobe_field_policy") != SCHEMA:
-        bad("kvprobe_field_policy", f"is {data.get('kvprobe_field_policy')!r}, this kvprobe reads {SCHEMA}")
+    if data.get("kvprobe_field_policy") not in READS:
+        bad("kvprobe_field_policy", f"is {data.get('kvprobe_field_policy')!r}, this kvprobe reads "
+                                    f"{' and '.join(map(str, READS))}")
     model = data.get("model")
     if not isinstance(model, dict) or not all(isinstance(model.get(k), str) for k in MODEL_KEYS):
         bad("model", f"must hold {', '.join(MODEL_KEYS)}")

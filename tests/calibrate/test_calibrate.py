@@ -151,7 +151,7 @@ def test_calibrate_command_writes_a_policy_and_resumes_with_a_larger_budget(tmp_
     assert first.returncode == 1, first.stderr[-2000:]  # no verdict within 2 pairs: said, exit 1
     assert "no verdict within 2 pairs" in first.stderr
     policy = yaml.safe_load((out / "field_policy.yaml").read_text())
-    assert policy["kvprobe_field_policy"] == 1 and set(policy["fields"]) == {"subscription_tier", "timestamp",
+    assert policy["kvprobe_field_policy"] == 2 and set(policy["fields"]) == {"subscription_tier", "timestamp",
                                                                               "request_id"}
     assert all(f["repair"] == "oracle" and f["verdict"] == "budget" for f in policy["fields"].values())
     rows = pd.read_parquet(out / "calibration.parquet")

@@ -367,7 +367,7 @@ def summarize(rows: pd.DataFrame, results: list[FieldResult], seq: Sequence, cha
             got = got.astype({"agree": bool, "changed": bool})
         ch = _share(change_seq, res.changed, res.pairs)
         oracle = got[got.strategy == "oracle"] if len(got) else got
-        oracle_ms = 1000 * float(oracle.to_decision_s.median()) if len(oracle) else float("nan")
+        oracle_s = float(oracle.to_decision_s.median()) if len(oracle) else float("nan")
         for s in candidates:
             g = got[got.strategy == s] if len(got) else got
             changed, same = (g[g.changed], g[~g.changed]) if len(g) else (g, g)
@@ -384,11 +384,11 @@ def summarize(rows: pd.DataFrame, results: list[FieldResult], seq: Sequence, cha
                 "flip_rate": flips / len(same) if len(same) else float("nan"), "flip_lo": 1 - fl["hi"],
                 "flip_hi": 1 - fl["lo"] if len(same) else 1.0,
                 "frac_recomputed": float(g.frac_recomputed.mean()) if len(g) and "frac_recomputed" in g else float("nan"),
-                "to_decision_ms": 1000 * float(g.to_decision_s.median()) if len(g) and "to_decision_s" in g
+                "to_decision_s": float(g.to_decision_s.median()) if len(g) and "to_decision_s" in g
                 else float("nan"),
                 "errors": int(g.error.notna().sum()) if "error" in g else 0,
                 "verdict": seq.verdict(int(g.agree.sum()), len(g)) if len(g) else "open",
-                "oracle_ms": oracle_ms, "chosen": res.chosen == s, "minutes": res.seconds / 60,
+                "oracle_s": oracle_s, "chosen": res.chosen == s, "minutes": res.seconds / 60,
             })
     return pd.DataFrame(out)
 
@@ -415,15 +415,16 @@ def policy_of(lm, spec: CalibrationSpec, results: list[FieldResult], summary: pd
         fields[res.name] = {
             "repair": res.chosen, "verdict": res.verdict, "reason": res.reason,
             "relevance": relevance_of(res, change_seq), "pairs": res.pairs, "skipped_pairs": res.skipped,
-            "change_rate": {"k": res.changed, "n": res.pairs, "lo": round(change_seq.lower(res.changed, res.pairs), 4),
+            "change_rate": {"value": round(res.changed / res.pairs, 4) if res.pairs else None, "k": res.changed,
+                            "n": res.pairs, "lo": round(change_seq.lower(res.changed, res.pairs), 4),
                             "hi": round(change_seq.upper(res.changed, res.pairs), 4)},
             "minutes": round(res.seconds / 60, 2),
-            "strategies": {r.strategy: {"agree": round(r.agree, 4), "agree_lo": round(r.agree_lo, 4),
-                                        "agree_hi": round(r.agree_hi, 4), "n": int(r.pairs),
+            "strategies": {r.strategy: {"agreement": {"value": round(r.agree, 4), "lo": round(r.agree_lo, 4),
+                                                      "hi": round(r.agree_hi, 4), "n": int(r.pairs)},
                                         "spurious_flips": int(r.spurious_flips), "n_unchanged": int(r.n_unchanged),
                                         "flip_hi": round(r.flip_hi, 4), "verdict": r.verdict,
                                         "frac_recomputed": round(r.frac_recomputed, 4),
-                                        "to_decision_ms": round(r.to_decision_ms, 1)} for r in rows.itertuples()},
+                                        "to_decision_s": round(r.to_decision_s, 4)} for r in rows.itertuples()},
         }
     return {"kvprobe_field_policy": SCHEMA, "model": {"spec": fp["spec"], **{k: fp[k] for k in MODEL_KEYS}},
             "template": {"path": spec.path, "sha256": spec.digest(), "fields": list(spec.fields)},
