@@ -433,13 +433,16 @@ def test_the_extending_blocks_are_the_ones_test_extending_runs():
 def parse(args: list[str]):
     """Parse ``kvprobe ARGS`` as the CLI does, without running it: click's ``make_context`` on the
     group and each subcommand converts and checks every option (an unknown option or a bad value
-    raises)."""
+    raises), after the command line's own preparation (a bare ``--json`` is ``--json -``)."""
     import typer
 
     from kvprobe.cli.app import app
+    from kvprobe.cli.argv import bare_json, check_args
 
     cmd = typer.main.get_command(app)
-    ctx = cmd.make_context("kvprobe", list(args), resilient_parsing=False)
+    args = bare_json(list(args))
+    check_args(cmd, args)
+    ctx = cmd.make_context("kvprobe", args, resilient_parsing=False)
     while hasattr(cmd, "resolve_command") and (rest := [*getattr(ctx, "_protected_args", []), *ctx.args]):
         name, cmd, rest = cmd.resolve_command(ctx, rest)  # a group without a subcommand (`kvprobe models`) stops
         ctx = cmd.make_context(name, rest, parent=ctx, resilient_parsing=False)
