@@ -163,10 +163,13 @@ def test_a_user_loaded_model_and_nnsight_give_the_spec_paths_logits(cases, attn)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        wrapped = nnsight.LanguageModel(model, tokenizer=tokenizer)
+        wrapped = nnsight.LanguageModel(model, tokenizer=tokenizer)  # nnsight 0.8: deprecated for TransformersModel
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nnsight's current class warns nothing
+        current = nnsight.TransformersModel(model, tokenizer=tokenizer)
     ref = {s: context_of(by_spec, case).edit(strategy=s, **{case.field: case.new_value}).logits
            for s in ("stale", "field_only", "erratum_turn", "oracle")}
-    for lm in (kvprobe.load(model, tokenizer), kvprobe.load(wrapped)):
+    for lm in (kvprobe.load(model, tokenizer), kvprobe.load(wrapped), kvprobe.load(current)):
         for s, logits in ref.items():
             got = context_of(lm, case).edit(strategy=s, **{case.field: case.new_value}).logits
             assert (got - logits).abs().max().item() <= 5e-5, (s, (got - logits).abs().max().item())
