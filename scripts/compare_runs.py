@@ -104,6 +104,20 @@ def _share_denominators(conc: pd.DataFrame) -> np.ndarray:
     return np.minimum(out, 1.0)
 
 
+def values_only(df: pd.DataFrame) -> pd.DataFrame:
+    """The values, whatever types stored them: a column of missing values only as None, nullable
+    integers and floats (``Int64``, ``Float64``, as results tables store them since they are typed)
+    as float64 with NaN, so tables written before and after typing compare by value."""
+    out = {}
+    for col in df.columns:
+        v = df[col]
+        if v.isna().all():
+            out[col] = pd.Series([None] * len(v), index=v.index, dtype=object)
+        elif isinstance(v.dtype, (pd.Int64Dtype, pd.Float64Dtype)):
+            out[col] = v.astype("float64")
+    return df.assign(**out) if out else df
+
+
 def compare(before: Path, after: Path, ignore: set[str], atol: float = 0.0) -> list[str]:
     """One line per table; a line starting with 'DIFF' marks a difference (beyond ``atol`` in a
     numeric column; any difference elsewhere)."""
@@ -114,7 +128,7 @@ def compare(before: Path, after: Path, ignore: set[str], atol: float = 0.0) -> l
         if not a.exists() or not b.exists():
             lines.append(f"DIFF {name}: only in {'after' if b.exists() else 'before'}")
             continue
-        x, y = pd.read_parquet(a), pd.read_parquet(b)
+        x, y = values_only(pd.read_parquet(a)), values_only(pd.read_parquet(b))
         drop = sorted(c for c in set(x.columns) | set(y.columns) if c in ignore)
         x, y = x.drop(columns=[c for c in drop if c in x]), y.drop(columns=[c for c in drop if c in y])
         if list(x.columns) != list(y.columns):

@@ -67,9 +67,37 @@ def atomic_write(path: Path | str, write) -> Path:
     return path
 
 
+TABLES_SCHEMA = 1  # the version of TABLE_SCHEMAS' columns, in every results table's parquet metadata
+
+
 def atomic_write_parquet(df: pd.DataFrame, path: Path | str) -> Path:
-    """Write a DataFrame as parquet atomically; returns the path."""
-    return atomic_write(Path(path), lambda tmp: df.to_parquet(tmp, index=False))
+    """Write a DataFrame as parquet atomically; returns the path. A results table (a file name of
+    :data:`TABLE_SCHEMAS`) is written with its declared types: whole-number columns as nullable
+    integers (``Int64``: a missing layer is <NA>, not a float NaN), a column of missing values only
+    as its declared type, not as untyped nulls; and its parquet metadata holds ``kvprobe``:
+    ``{"table", "schema" (TABLES_SCHEMA), "version"}``."""
+    path = Path(path)
+    schema = TABLE_SCHEMAS.get(path.name)
+    if schema is None:
+        return atomic_write(path, lambda tmp: df.to_parquet(tmp, index=False))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from kvprobe import __version__
+
+    table = pa.Table.from_pandas(schema.typed(df), preserve_index=False)
+    meta = {**(table.schema.metadata or {}), b"kvprobe": json.dumps(
+        {"table": path.name, "schema": TABLES_SCHEMA, "version": __version__}).encode()}
+    table = table.replace_schema_metadata(meta)
+    return atomic_write(path, lambda tmp: pq.write_table(table, tmp))
+
+
+def table_metadata(path: Path | str) -> dict:
+    """The ``kvprobe`` entry of a parquet file's metadata ({} for a file written before it)."""
+    import pyarrow.parquet as pq
+
+    meta = pq.read_schema(path).metadata or {}
+    return json.loads(meta[b"kvprobe"]) if b"kvprobe" in meta else {}
 
 
 def atomic_write_json(data: dict, path: Path | str) -> Path:
@@ -86,6 +114,8 @@ CALIBRATE_CLAIM = "calibrate_config.json"
 SWEEP = "sweep.parquet"  # kvprobe sweep: one row per cell x case x measure
 SWEEP_SUMMARY = "sweep_summary.parquet"  # one row per cell x measure, with 95% CIs
 SWEEP_MANIFEST = "sweep_manifest.json"
+CALIBRATION = "calibration.parquet"  # kvprobe calibrate: one row per (field, pair, strategy)
+CALIBRATION_SUMMARY = "calibration_summary.parquet"  # one row per (field, strategy)
 CLAIMS = {RUN_CLAIM: "kvprobe run", EDIT_CLAIM: "kvprobe edit", VALIDATE_CLAIM: "kvprobe validate",
           SWEEP_CLAIM: "kvprobe sweep", CALIBRATE_CLAIM: "kvprobe calibrate",
           SERVING_MANIFEST: "kvprobe serve-bench"}
@@ -283,8 +313,9 @@ def package_versions() -> dict:
 
 
 # -- the columns a results table must hold: what its readers (report, compare, export-topk) use ----
-NUMBER, FLAG, TEXT = "number", "flag", "text"  # the kinds of column a table holds
-_KIND = {NUMBER: "numbers", FLAG: "true/false flags", TEXT: "strings"}
+NUMBER, INT, FLAG, TEXT = "number", "int", "flag", "text"  # the kinds of column a table holds
+_KIND = {NUMBER: "numbers", INT: "whole numbers", FLAG: "true/false flags", TEXT: "strings"}
+_TYPED = {INT: "Int64", NUMBER: "Float64", FLAG: "boolean", TEXT: "string"}  # a column of missing values only
 
 
 def _fits(values: pd.Series, kind: str):
@@ -297,6 +328,9 @@ def _fits(values: pd.Series, kind: str):
     elif kind == NUMBER:
         ok = (pd.api.types.is_numeric_dtype(values) or
               values.map(lambda v: isinstance(v, (bool, int, float, np.number, np.bool_))))
+    elif kind == INT:
+        ok = values.map(lambda v: isinstance(v, (int, float, np.number)) and not isinstance(v, (bool, np.bool_))
+                        and float(v).is_integer())
     else:
         ok = (pd.api.types.is_bool_dtype(values) or
               values.map(lambda v: isinstance(v, (bool, np.bool_)) or (isinstance(v, (int, float, np.number))
@@ -332,10 +366,27 @@ class TableSchema:
                                        f"or move the file away")
 
 
-def table_schema(what: str, text: str = "", number: str = "", flag: str = "") -> TableSchema:
-    """A :class:`TableSchema` from space-separated column names per kind."""
+    def typed(self, df: pd.DataFrame) -> pd.DataFrame:
+        """``df`` with its whole-number columns as ``Int64`` and its all-missing columns as their
+        declared type (a column whose values do not fit its kind is left as it is: the reader's
+        check names it)."""
+        out = {}
+        for col, kind in self.kinds.items():
+            if col not in df.columns:
+                continue
+            values = df[col]
+            if values.isna().all() and len(values):
+                out[col] = pd.array([None] * len(values), dtype=_TYPED[kind])
+            elif kind == INT and _fits(values, INT) is None and not pd.api.types.is_bool_dtype(values):
+                out[col] = pd.to_numeric(values).astype("Int64")
+        return df.assign(**out) if out else df
+
+
+def table_schema(what: str, text: str = "", number: str = "", flag: str = "", whole: str = "") -> TableSchema:
+    """A :class:`TableSchema` from space-separated column names per kind (``whole``: whole numbers,
+    written as nullable integers)."""
     return TableSchema(what, {**dict.fromkeys(text.split(), TEXT), **dict.fromkeys(number.split(), NUMBER),
-                              **dict.fromkeys(flag.split(), FLAG)})
+                              **dict.fromkeys(flag.split(), FLAG), **dict.fromkeys(whole.split(), INT)})
 
 
 # The kinds of the columns each table's writer gives it (a column of missing values only, or of mixed
@@ -344,43 +395,91 @@ def table_schema(what: str, text: str = "", number: str = "", flag: str = "") ->
 TABLE_SCHEMAS: dict[str, TableSchema] = {
     VALIDITY: table_schema("a validity table",
                            text="case_id domain field old_value new_value expected_old expected_new pred_old pred_new",
-                           number="m_old m_new logit_shift n_tokens",
+                           number="m_old m_new logit_shift", whole="n_tokens",
                            flag="control correct_old correct_new flipped valid"),
     EDITS: table_schema("an edits table",
                         text="model case_id strategy ranking pred pred_oracle generated error note chose domain field "
                              "template_id kind",
-                        number="k m m_stale m_oracle oracle_flip recovery cosine kl tokens_recomputed tokens_total "
-                               "frac_recomputed wall_s decide_s cot n_tokens",
+                        number="m m_stale m_oracle oracle_flip recovery cosine kl tokens_recomputed frac_recomputed "
+                               "wall_s decide_s", whole="k tokens_total cot n_tokens",
                         flag="agree correct rewritten_prompt control valid"),
     LOCALITY: table_schema("a locality table", text="model case_id probe region metric set kind",
-                           number="layer position value k m_stale m_oracle oracle_flip n_positions", flag="control"),
+                           number="value m_stale m_oracle oracle_flip", whole="layer head position k n_positions",
+                           flag="control"),
     CONCENTRATION: table_schema("a concentration table", text="model case_id probe region metric kind",
-                                number="value n_tokens k oracle_flip", flag="control"),
+                                number="value oracle_flip", whole="layer head position n_tokens k", flag="control"),
     ATTENTION: table_schema("an attention table", text="model case_id probe region metric",
-                            number="layer head value n_keys", flag="control"),
+                            number="value", whole="layer head position n_keys", flag="control"),
     KNOCKOUT: table_schema("a knockout table", text="model case_id probe region metric cache set band layers heads",
-                           number="layer head value k m_stale m_oracle n_positions oracle_flip", flag="control"),
-    LINEAR: table_schema("a linear-probe table", text="model probe region metric stream label note",
-                         number="layer value n n_templates n_layers"),
-    TOKENS: table_schema("a tokens table", text="case_id token token_new kind region", number="position"),
-    COMPOSE: table_schema("a compose table", text="model domain kind answer expected oracle_answer",
-                          number="n_blocks block_tokens context_tokens seam cosine kl margin oracle_margin "
-                                 "oracle_wall_s wall_s", flag="rerotate agree top1_agree"),
-    TTFT: table_schema("a TTFT table", text="model", number="block_tokens full_s compose_s speedup seam"),
+                           number="value m_stale m_oracle oracle_flip", whole="layer head position k n_positions",
+                           flag="control"),
+    LINEAR: table_schema("a linear-probe table", text="model case_id probe region metric stream label note",
+                         number="value", whole="layer head position n n_templates n_layers"),
+    TOKENS: table_schema("a tokens table", text="case_id token token_new kind region", whole="position"),
+    COMPOSE: table_schema("a compose table", text="model query_id domain kind answer expected oracle_answer",
+                          number="cosine kl margin oracle_margin oracle_wall_s wall_s",
+                          whole="n_blocks block_tokens context_tokens seam", flag="rerotate agree top1_agree"),
+    TTFT: table_schema("a TTFT table", text="model", number="full_s compose_s speedup", whole="block_tokens seam"),
     SERVING: table_schema("a serve-bench table",
                           text="model served_model arm value answer text oracle_answer rule_answer error",
-                          number="rate request prompt_tokens cached_tokens ceiling_tokens hit_rate ttft_s latency_s "
-                                 "send_s finish_s agree run_sent run_wall_s run_queries run_hits block_size "
-                                 "base_prompt_tokens", flag="cached_reported ok"),
+                          number="rate hit_rate ttft_s latency_s send_s finish_s agree run_wall_s",
+                          whole="request prompt_tokens cached_tokens ceiling_tokens run_sent run_queries run_hits "
+                                "block_size base_prompt_tokens", flag="cached_reported ok"),
     SWEEP: table_schema("a `kvprobe sweep` table",
                         text="model cell layout field_style rule_style case_id domain field measure name error chose",
-                        number="filler_tokens downstream_tokens field_tokens n_tokens agree m m_stale m_oracle "
-                               "oracle_flip recovery frac_recomputed wall_s case_s", flag="control valid"),
+                        number="agree m m_stale m_oracle oracle_flip recovery frac_recomputed wall_s decide_s case_s",
+                        whole="filler_tokens downstream_tokens field_tokens n_tokens", flag="control valid"),
+    CALIBRATION: table_schema("a calibration table",
+                              text="field old_value new_value others strategy ranking pred pred_oracle generated "
+                                   "error note chose skip",
+                              number="m m_stale m_oracle oracle_flip recovery cosine kl tokens_recomputed "
+                                     "frac_recomputed wall_s decide_s margin to_decision_s",
+                              whole="k tokens_total", flag="agree correct rewritten_prompt degenerate changed"),
+    CALIBRATION_SUMMARY: table_schema("a calibration summary", text="field strategy verdict",
+                                      number="change_rate change_lo change_hi agree agree_lo agree_hi agree_changed "
+                                             "agree_changed_lo agree_changed_hi flip_rate flip_lo flip_hi "
+                                             "frac_recomputed to_decision_s oracle_s seconds",
+                                      whole="pairs skipped n_changed n_unchanged spurious_flips errors",
+                                      flag="chosen"),
     SWEEP_SUMMARY: table_schema("a `kvprobe sweep` summary", text="cell layout field_style rule_style measure name",
-                                number="filler_tokens downstream_tokens n_tokens n_cases n_valid n_decision "
-                                       "n_valid_controls n_errors agree agree_lo agree_hi n_agree recovery recovery_lo "
-                                       "recovery_hi n_recovery frac_recomputed validity case_s"),
+                                number="downstream_tokens n_tokens agree agree_lo agree_hi recovery recovery_lo "
+                                       "recovery_hi frac_recomputed validity case_s",
+                                whole="filler_tokens n_cases n_valid n_decision n_valid_controls n_errors n_agree "
+                                      "n_recovery"),
 }
+
+# The unit of a column (or a JSON key), by kvprobe's naming rule, so that every file says it the same
+# way: durations in seconds end in _s; shares are in [0, 1]; counts of tokens are tokens. Keys that
+# the rule does not cover are named in UNITS. docs/outputs.md is written from these
+# (scripts/outputs_table.py); tests/unit/test_outputs.py checks each command's files against them.
+UNITS = {"m": "logits", "m_stale": "logits", "m_oracle": "logits", "m_old": "logits", "m_new": "logits",
+         "oracle_flip": "logits", "logit_shift": "logits", "margin": "logits", "oracle_margin": "logits",
+         "value": "per metric (the metric column says)", "kl": "nats", "cosine": "cosine (-1 to 1)",
+         "speedup": "ratio", "rate": "requests per second (inf: all at once)", "layer": "index (0-based)",
+         "head": "index (0-based)", "position": "token index (0-based)", "request": "index (0-based)",
+         "seam": "tokens", "k": "tokens (K)", "cot": "tokens", "n_blocks": "count", "block_size": "tokens",
+         "tokens_recomputed": "tokens (fractional: a check's partial forward counted by its share of layers)",
+         "validity": "share (0 to 1)", "hit_rate": "share (0 to 1)", "agree": "share (0 to 1) or true/false",
+         "seconds": "seconds", "pairs": "count", "skipped": "count", "errors": "count", "spurious_flips": "count",
+         "change_rate": "share (0 to 1)",
+         **dict.fromkeys(("recovery", "recovery_lo", "recovery_hi"),
+                         "ratio of the oracle's flip (1: the oracle's, 0: the stale cache's; may leave [0, 1])")}
+
+
+def unit_of(column: str) -> str:
+    """The unit of ``column`` (see :data:`UNITS`)."""
+    if column in UNITS:
+        return UNITS[column]
+    if column.endswith("_s"):
+        return "seconds"
+    if column.startswith(("frac_", "agree", "recovery", "correct", "flip_")) or column.endswith(("_lo", "_hi")):
+        return "share (0 to 1)"
+    if column.endswith("_tokens") or column in ("n_tokens", "tokens_total", "n_keys", "n_positions"):
+        return "tokens"
+    if column.startswith("n_") or column in ("n", "run_sent", "run_queries", "run_hits"):
+        return "count"
+    return ""
+
 
 RUN_MANIFEST_KEYS = ("kvprobe_run", "config", "model")  # what `kvprobe run` writes and the report reads
 

@@ -187,8 +187,8 @@ def test_a_table_lacking_a_column_or_holding_the_wrong_kind_names_both(tmp_path)
     one_line_error(kvprobe("compare", str(folder)), 3, "edits.parquet", "(no column agree, correct, ")
     pd.DataFrame({**edits, "k": ["eight"]}).to_parquet(folder / "edits.parquet")
     one_line_error(kvprobe("export-topk", str(folder), "--out", str(tmp_path / "t.yaml")), 3,
-                   "edits.parquet is not an edits table as kvprobe writes it (column k holds 'eight', where numbers "
-                   "belong)")
+                   "edits.parquet is not an edits table as kvprobe writes it (column k holds 'eight', where whole "
+                   "numbers belong)")
     pd.DataFrame({"case_id": ["c1"], "control": [False], "valid": ["x"]}).to_parquet(folder / "validity.parquet")
     for args in (("report", str(folder), *out), ("compare", str(folder))):
         one_line_error(kvprobe(*args), 3, "validity.parquet is not a validity table as kvprobe writes it (column "

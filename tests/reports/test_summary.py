@@ -108,7 +108,7 @@ def test_editor_notes_and_composition_reach_the_summary(variant):
     edits["note"] = ""
     edits.loc[edits.strategy == "erratum", "note"] = "field recomputed: False"
     edits.to_parquet(folder / EDITS)
-    pd.DataFrame([{"query_id": q, "rerotate": rot, "seam": s, "agree": bool(q % 5 or not rot), "top1_agree": True,
+    pd.DataFrame([{"query_id": f"q{q}", "rerotate": rot, "seam": s, "agree": bool(q % 5 or not rot), "top1_agree": True,
                    "cosine": 0.99, "kl": 0.01, "wall_s": 0.1, "context_tokens": 100}
                   for q in range(20) for rot in (True, False) for s in (0, 4)]).to_parquet(folder / COMPOSE)
     data = summarize_run(load_run(folder))

@@ -201,7 +201,7 @@ def test_a_results_table_is_read_by_the_kinds_of_its_columns(tmp_path):
     assert read_table(path, ("case_id", "agree")).equals(pd.read_parquet(path))
     pd.DataFrame({"case_id": pd.Series([], dtype=str)}).to_parquet(path)
     assert read_table(path, ("agree",)).empty  # no case finished: nothing to check
-    for change, needle in ((dict(k=["x", "y"]), "column k holds 'x', where numbers belong"),
+    for change, needle in ((dict(k=["x", "y"]), "column k holds 'x', where whole numbers belong"),
                            (dict(case_id=[1, 2]), "column case_id holds 1, where strings belong"),
                            (dict(agree=[1.0, 2.0]), "column agree holds 2.0, where true/false flags belong")):
         ok.assign(**change).to_parquet(path)

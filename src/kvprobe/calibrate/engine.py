@@ -27,13 +27,13 @@ import pandas as pd
 import torch
 import yaml
 
+from kvprobe import results
 from kvprobe.calibrate.stats import ALPHA_LOWER, ALPHA_UPPER, Sequence
 from kvprobe.calibrate.values import ValueSet, parse_values
 from kvprobe.errors import KvprobeError, UsageError
 
 DEFAULT_CANDIDATES = ("field_only", "erratum_turn:neutral", "erratum_turn")
-CALIBRATION = "calibration.parquet"  # one row per (field, pair, strategy)
-SUMMARY = "calibration_summary.parquet"  # one row per (field, strategy)
+CALIBRATION, SUMMARY = results.CALIBRATION, results.CALIBRATION_SUMMARY  # the two tables (kvprobe.results)
 POLICY_FILE = "field_policy.yaml"
 MANIFEST = "calibrate_manifest.json"
 SAME_IDS = "old and new value have the same token ids"
@@ -388,7 +388,7 @@ def summarize(rows: pd.DataFrame, results: list[FieldResult], seq: Sequence, cha
                 else float("nan"),
                 "errors": int(g.error.notna().sum()) if "error" in g else 0,
                 "verdict": seq.verdict(int(g.agree.sum()), len(g)) if len(g) else "open",
-                "oracle_s": oracle_s, "chosen": res.chosen == s, "minutes": res.seconds / 60,
+                "oracle_s": oracle_s, "chosen": res.chosen == s, "seconds": res.seconds,
             })
     return pd.DataFrame(out)
 
@@ -418,7 +418,7 @@ def policy_of(lm, spec: CalibrationSpec, results: list[FieldResult], summary: pd
             "change_rate": {"value": round(res.changed / res.pairs, 4) if res.pairs else None, "k": res.changed,
                             "n": res.pairs, "lo": round(change_seq.lower(res.changed, res.pairs), 4),
                             "hi": round(change_seq.upper(res.changed, res.pairs), 4)},
-            "minutes": round(res.seconds / 60, 2),
+            "seconds": round(res.seconds, 1),
             "strategies": {r.strategy: {"agreement": {"value": round(r.agree, 4), "lo": round(r.agree_lo, 4),
                                                       "hi": round(r.agree_hi, 4), "n": int(r.pairs)},
                                         "spurious_flips": int(r.spurious_flips), "n_unchanged": int(r.n_unchanged),

@@ -68,7 +68,7 @@ def calibrate(spec: Path = typer.Argument(..., help="a calibration spec (YAML: t
                                            settings=folder.settings, method=cal.policy["method"],
                                            prefix_tokens_saved=cal.prefix_tokens_saved,
                                            fields={f.name: {"pairs": f.pairs, "skipped": f.skipped,
-                                                            "minutes": round(f.seconds / 60, 2)} for f in cal.fields}))
+                                                            "seconds": round(f.seconds, 1)} for f in cal.fields}))
     print_table(cal, model, threshold)
     console.print(f"wrote {policy_path} (use it: --policy / EditableContext(policy=...) / auto:{policy_path})")
     open_fields = [f.name for f in cal.fields if f.verdict == "budget"]
@@ -93,7 +93,8 @@ def print_table(cal, model: str, threshold: float) -> None:
         rel = cal.policy["fields"][res.name]["relevance"]
         for i, r in enumerate(cal.summary[cal.summary.field == res.name].itertuples()):
             flips = "-" if not r.n_unchanged else f"{r.spurious_flips}/{r.n_unchanged} (<= {r.flip_hi:.2f})"
-            ms = "-" if r.to_decision_s != r.to_decision_s else f"{1000 * r.to_decision_s:.0f} ({1000 * r.oracle_s:.0f})"
+            ms = ("-" if r.to_decision_s != r.to_decision_s
+                  else f"{1000 * r.to_decision_s:.0f} ({1000 * r.oracle_s:.0f})")
             table.add_row(res.name if i == 0 else "", rel if i == 0 else "", str(res.pairs) if i == 0 else "",
                           ("* " if r.chosen else "  ") + r.strategy, share(r.agree, r.agree_lo, r.agree_hi, r.pairs),
                           share(r.agree_changed, r.agree_changed_lo, r.agree_changed_hi, r.n_changed), flips,

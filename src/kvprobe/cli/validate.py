@@ -84,7 +84,7 @@ def validate(model: opt.Model = opt.DEFAULTS["model"], n: int = typer.Option(50,
     for r in summary.itertuples():
         table.add_row("yes" if r.rerotate else "no", str(r.seam), str(r.n),
                       f"{r.agreement:.3f} [{r.agreement_lo:.2f}, {r.agreement_hi:.2f}]", f"{r.top1_agreement:.3f}",
-                      f"{r.cosine:.4f} [{r.cosine_lo:.4f}, {r.cosine_hi:.4f}]", f"{r.kl:.4f}", f"{r.ms:.0f}")
+                      f"{r.cosine:.4f} [{r.cosine_lo:.4f}, {r.cosine_hi:.4f}]", f"{r.kl:.4f}", f"{1000 * r.wall_s:.0f}")
     console.print(table)
     console.print(f"wrote {path}")
     gated = summary[(summary.seam == seam) & summary.rerotate].iloc[0]

@@ -158,6 +158,6 @@ def summarize_compose(df) -> "pd.DataFrame":  # noqa: F821
                      "agreement": agree[0], "agreement_lo": agree[1], "agreement_hi": agree[2],
                      "top1_agreement": float(g.top1_agree.mean()),
                      "cosine": cos[0], "cosine_lo": cos[1], "cosine_hi": cos[2],
-                     "kl": kl[0], "kl_lo": kl[1], "kl_hi": kl[2], "ms": 1000 * float(g.wall_s.mean())})
+                     "kl": kl[0], "kl_lo": kl[1], "kl_hi": kl[2], "wall_s": float(g.wall_s.mean())})
     out = pd.DataFrame(rows)
     return out.sort_values(["rerotate", "seam"], ascending=[False, True]).reset_index(drop=True) if len(out) else out
