@@ -1,5 +1,5 @@
 """Write docs/outputs.md: every column of every results table kvprobe writes, with its type and unit,
-from the one place they are declared (kvprobe.results.TABLE_SCHEMAS, UNITS, unit_of), and the
+from the one place they are declared (kvprobe.tables.TABLE_SCHEMAS, UNITS, unit_of), and the
 conventions of its JSON and YAML files. tests/unit/test_outputs.py checks the file is current and
 that each command's outputs fit it.
 
@@ -15,7 +15,7 @@ TYPES = {"text": "string", "number": "float64", "int": "Int64 (nullable integer)
 
 HEAD = """# Outputs: every column, its type and its unit
 
-Written by `python scripts/outputs_table.py` from `kvprobe.results.TABLE_SCHEMAS` and `unit_of`, the
+Written by `python scripts/outputs_table.py` from `kvprobe.tables.TABLE_SCHEMAS` and `unit_of`, the
 one place they are declared; `tests/unit/test_outputs.py` checks this page is current and reads the
 files of `run`, `validate`, `sweep` and `calibrate` against it (every column declared, of its type,
 whole numbers stored as nullable integers, the schema version in the parquet metadata, no duration
@@ -46,7 +46,7 @@ in another unit than seconds).
 
 
 def render() -> str:
-    from kvprobe.results import TABLE_SCHEMAS, TABLES_SCHEMA, unit_of
+    from kvprobe.tables import TABLE_SCHEMAS, TABLES_SCHEMA, unit_of
 
     out = [HEAD.replace("{schema}", str(TABLES_SCHEMA))]
     for name, schema in TABLE_SCHEMAS.items():

@@ -14,7 +14,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from kvprobe.results import INT, NUMBER, TABLE_SCHEMAS, TABLES_SCHEMA, read_table, table_metadata, unit_of
+from kvprobe.results import read_table, table_metadata
+from kvprobe.tables import INT, NUMBER, TABLE_SCHEMAS, TABLES_SCHEMA, unit_of
 from tests import cli_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +34,7 @@ def test_the_outputs_page_is_current_and_every_number_has_a_unit():
     for name, schema in TABLE_SCHEMAS.items():
         for col, kind in schema.kinds.items():
             if kind in (NUMBER, INT):
-                assert unit_of(col), f"{name}: column {col} has no unit (kvprobe.results.UNITS)"
+                assert unit_of(col), f"{name}: column {col} has no unit (kvprobe.tables.UNITS)"
             assert not col.endswith(("_ms", "_min")), f"{name}: {col} is a duration in another unit than seconds"
 
 
@@ -59,7 +60,7 @@ def check_folder(folder: Path) -> tuple[int, int]:
     tables = keys = 0
     for path in sorted(folder.glob("*.parquet")):
         schema = TABLE_SCHEMAS.get(path.name)
-        assert schema is not None, f"{path.name} is not in kvprobe.results.TABLE_SCHEMAS"
+        assert schema is not None, f"{path.name} is not in kvprobe.tables.TABLE_SCHEMAS"
         df = read_table(path)  # each column of its kind (the reader's own check)
         assert set(df.columns) <= set(schema.kinds), f"{path.name}: undeclared {set(df.columns) - set(schema.kinds)}"
         for col in df.columns:
