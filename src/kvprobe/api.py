@@ -18,7 +18,6 @@ re-prefill) is one more strategy, for checking, never needed.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 
 import pandas as pd
 import torch
@@ -27,15 +26,15 @@ from kvprobe import field_policy
 from kvprobe import policy as policies
 from kvprobe.datasets import AlignedCase, EditCase, Skip, align, render_prompt
 from kvprobe.datasets.render import resolve_form
-from kvprobe.datasets.spans import option_ids, prompt_ids
+from kvprobe.datasets.spans import prompt_ids
+from kvprobe.edit_state import EditState, _first_ids
 from kvprobe.editor.context import EditContext, make_context
 from kvprobe.editor.score import measure_strategies
-from kvprobe.editor.strategies import (Strategy, apply, check_policies, check_policy_specs, load_policy,
-                                       parse_strategy)
+from kvprobe.editor.auto import check_policies, check_policy_specs, load_policy
+from kvprobe.editor.strategies import Strategy, apply, parse_strategy
 from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.kv import cache as kvcache
-from kvprobe.kv.decode import Edited, _eos_ids, decide
-from kvprobe.kv.readout import option_scores
+from kvprobe.kv.decode import Edited
 from kvprobe.models.load import LoadedModel, load_model, wrap_model
 
 
@@ -64,156 +63,6 @@ def load(model, tokenizer=None, *, dtype: str | None = None, device: str | None 
         inner = getattr(model, "_module", None)
         return wrap_model(inner, tokenizer or getattr(model, "tokenizer", None), dtype, device)
     return wrap_model(model, tokenizer, dtype, device)
-
-
-@dataclass
-class EditState:
-    """A repaired (or the original) cache, ready to read: decision logits, option scores, text.
-
-    ``strategy`` is what was asked for, ``chose`` what ran (they differ for ``auto``), ``reason``
-    why; ``recomputed`` counts the tokens whose K/V the repair computed (its checks included).
-    Reading never changes the state: read it as often as you like.
-    """
-
-    lm: LoadedModel
-    edited: Edited
-    strategy: str
-    chose: str
-    reason: str = ""
-    options: list[str] = field(default_factory=list)  # the context's answer options (may be none)
-    option_ids: dict[str, list[int]] = field(default_factory=dict)
-    _logits: torch.Tensor | None = field(default=None, repr=False)
-
-    def __repr__(self) -> str:
-        """One line: what ran, the answer, the cost (the model and the cache are left out)."""
-        answer = f", answer={self.answer()!r}" if self.options else ""
-        chose = f", chose={self.chose!r}" if self.chose != self.strategy else ""
-        return (f"EditState(strategy={self.strategy!r}{chose}{answer}, recomputed={self.recomputed:g} "
-                f"({self.frac_recomputed:.1%}), repair_s={self.repair_s:.3f})")
-
-    def _repr_html_(self) -> str:
-        """A small table for notebooks: the fields of :meth:`to_dict`."""
-        from html import escape
-
-        rows = "".join(f"<tr><th style='text-align:left'>{escape(k)}</th><td>{escape(str(v))}</td></tr>"
-                       for k, v in self.to_dict().items())
-        return f"<table><caption>EditState</caption>{rows}</table>"
-
-    def to_dict(self) -> dict:
-        """The state as plain values: strategy, chose, reason, answer and each option's score (with
-        options), tokens recomputed and their share, the repair's seconds."""
-        out = {"strategy": self.strategy, "chose": self.chose, "reason": self.reason}
-        if self.options:
-            out["answer"] = self.answer()
-            out.update({f"score_{o}": v for o, v in self.scores().items()})
-        out.update({"recomputed": self.recomputed, "frac_recomputed": self.frac_recomputed,
-                    "repair_s": self.repair_s})
-        return out
-
-    def to_frame(self) -> pd.DataFrame:
-        """:meth:`to_dict` as a one-row DataFrame (``pd.concat`` several states into one table)."""
-        return pd.DataFrame([self.to_dict()])
-
-    @property
-    def cache(self):
-        """The repaired cache (a transformers ``DynamicCache``) of every position before
-        :attr:`tail_ids`; read it, or copy it (``kvprobe.kv.cache.copy``) before feeding it."""
-        return self.edited.cache
-
-    @property
-    def tail_ids(self) -> list[int]:
-        """The token ids still to feed after :attr:`cache` to reach the decision (the last prompt
-        token, or an erratum's tokens)."""
-        return list(self.edited.tail_ids)
-
-    @property
-    def ids(self) -> list[int]:
-        """The full token ids this state stands for: the :attr:`cache`'s positions, then
-        :attr:`tail_ids` (the new prompt for a repair in place; the prompt with its erratum for an
-        erratum). ``model.generate(input_ids=ids, cache=copy_of_cache)`` continues it."""
-        n = kvcache.seq_len(self.edited.cache)
-        if len(self.edited.ids) != n + len(self.edited.tail_ids):
-            raise UsageError(f"strategy {self.chose!r} does not record the token ids its cache stands for "
-                             f"(Edited.ids); a strategy registered outside kvprobe sets them to generate")
-        return list(self.edited.ids)
-
-    @property
-    def recomputed(self) -> float:
-        return float(self.edited.recomputed)
-
-    @property
-    def frac_recomputed(self) -> float:
-        return float(self.edited.recomputed) / self.edited.total
-
-    @property
-    def repair_s(self) -> float:
-        return self.edited.wall_s
-
-    @property
-    def logits(self) -> torch.Tensor:
-        """The decision logits (V,): the next-token logits after the prompt (and any erratum)."""
-        if self._logits is None:
-            with self.lm.lock:
-                self._logits, _ = decide(self.lm, self.edited, 0)
-        return self._logits
-
-    def scores(self, options: list[str] | None = None) -> dict[str, float]:
-        """Each option's score (its best first-token logit); the context's options by default."""
-        options = self._options(options)
-        ids = {o: self.option_ids.get(o) or _first_ids(self.lm, o) for o in options}
-        return dict(zip(options, option_scores(self.logits, ids, options).tolist()))
-
-    def answer(self, options: list[str] | None = None) -> str:
-        """The highest-scoring option; without options, the top next token as text."""
-        if not (options or self.options):
-            return self.lm.tokenizer.decode([int(self.logits.argmax())])
-        scores = self.scores(options)
-        return max(scores, key=scores.get)
-
-    @torch.no_grad()
-    def generate(self, max_new_tokens: int = 32, *, return_ids: bool = False, **generate_kwargs):
-        """Text generated from this state by transformers' ``model.generate`` on a copy of the repaired
-        cache (the state itself never changes): greedy by default; ``generate_kwargs`` are
-        ``generate``'s own (``do_sample``, ``temperature``, ``top_p``, ``stopping_criteria``,
-        ``stop_strings``, a ``generation_config``, a ``streamer``...). Returns the new text, or the
-        new token ids with ``return_ids=True``. Sampling draws from torch's global generator:
-        ``torch.manual_seed`` first for a repeatable draw."""
-        ids = self.ids
-        if "stop_strings" in generate_kwargs:
-            generate_kwargs.setdefault("tokenizer", self.lm.tokenizer)
-        if generate_kwargs.get("generation_config") is None:
-            generate_kwargs.setdefault("do_sample", False)
-        with self.lm.lock:
-            device = self.lm.model.device
-            input_ids = torch.tensor([ids], device=device)
-            out = self.lm.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                         cache=kvcache.copy(self.edited.cache),
-                                         max_new_tokens=max_new_tokens,
-                                         pad_token_id=_pad_id(self.lm), **generate_kwargs)
-        new = out[0, len(ids):].tolist()
-        eos = _eos_ids(self.lm)
-        new = new[: next((i for i, t in enumerate(new) if t in eos), len(new))]  # the text stops before its end
-        return new if return_ids else self.lm.tokenizer.decode(new)
-
-    def _options(self, options: list[str] | None) -> list[str]:
-        options = list(options or self.options)
-        if len(options) < 2:
-            raise UsageError("scores need at least two options: ctx.ask(question, options=[...]) or scores(options)")
-        return options
-
-
-def _pad_id(lm) -> int | None:
-    """The id generate pads with: the tokenizer's pad token, else its end of sequence (one sequence
-    is never padded; transformers only warns when none is given)."""
-    pad = lm.tokenizer.pad_token_id
-    return pad if pad is not None else next(iter(sorted(_eos_ids(lm))), None)
-
-
-def _first_ids(lm, option: str) -> list[int]:
-    ids = option_ids(lm.tokenizer, option)
-    if not ids:
-        raise UsageError(f"option {option!r} has no non-space first token")
-    return ids
 
 
 def _escape(text: str) -> str:

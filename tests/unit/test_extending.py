@@ -210,7 +210,7 @@ def _in_package(example: str) -> dict[str, str]:
         old = '"auto[:TOPK.YAML] (TOPK.YAML a policy file of this model)")'
         assert old in catalog
         return {"editor/strategies.py": (SRC / "editor" / "strategies.py").read_text() + "\n\n" + code,
-                "catalog.py": catalog.replace(old, old[:-1] + ', "field_next:N (N >= 0)")')}
+                "catalog.py": catalog.replace(old, '"field_next:N (N >= 0)", ' + old)}  # auto registers last
     (yaml_text,) = blocks("A model family", "yaml")
     return {"models/families/granite.yaml": yaml_text}
 

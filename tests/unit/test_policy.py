@@ -378,7 +378,8 @@ def test_a_schema_2_file_still_loads(lm, tmp_path):
 
 
 def test_an_unknown_strategy_in_a_policy_names_the_file(lm, tmp_path):
-    from kvprobe.editor.strategies import load_policy, parse_strategy
+    from kvprobe.editor.auto import load_policy
+    from kvprobe.editor.strategies import parse_strategy
 
     path = export_topk(run_folder(tmp_path / "run", lm.fingerprint()))
     cfg = yaml.safe_load(path.read_text())

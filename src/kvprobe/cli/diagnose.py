@@ -134,7 +134,7 @@ def diagnose(prompt: Prompt, model: opt.Model = opt.DEFAULTS["model"],
     lm = load_with_status(model, dtype, device, allow_failed_toy=allow_failed_toy, device_map=device_map)
     loaded = None
     if policy is not None:
-        from kvprobe.editor.strategies import load_policy
+        from kvprobe.editor.auto import load_policy
 
         loaded = load_policy(policy, lm)
     with progress_bar() as bar:

@@ -33,7 +33,8 @@ from kvprobe.defaults import (
     SWEEP_STRATEGIES,
     checked_form,
 )
-from kvprobe.editor.strategies import Strategy, check_policies, parse_strategy
+from kvprobe.editor.auto import check_policies
+from kvprobe.editor.strategies import Strategy, parse_strategy
 from kvprobe.errors import CheckFailed
 from kvprobe.config import precheck_cases
 from kvprobe.results import (SWEEP, SWEEP_CLAIM, SWEEP_MANIFEST, SWEEP_SUMMARY, ResultsFolder, atomic_write_parquet,
