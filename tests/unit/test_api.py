@@ -95,7 +95,9 @@ def greedy_by_hand(state, n: int) -> list[int]:
 def test_generate_is_transformers_generate_on_the_repaired_cache():
     """Greedy ``generate`` on each repair equals decoding its cache by hand; a repair that
     recomputes every downstream token generates what the oracle generates, token for token;
-    sampling options and stopping criteria are transformers' own; the state is left as it was."""
+    sampling options and stopping criteria are transformers' own; the state is left as it was.
+    (Token for token holds on every CPU kind: the smallest top-2 logit gap over these 12 greedy
+    steps is 3.3e-3, stale's, against the 1e-4 two CPU kinds' kernels move a logit.)"""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     lm = kvprobe.load("tiny-llama")
