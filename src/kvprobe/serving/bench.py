@@ -30,8 +30,8 @@ from kvprobe.errors import EnvironmentProblem, KvprobeError, UsageError
 from kvprobe.results import (SERVING, SERVING_MANIFEST, CaseStore, atomic_write_json, claim_identity, json_object,
                              refuse_foreign, version_entry)
 from kvprobe.serving import measure
-from kvprobe.serving.client import (Completion, ServerGone, get_json, scrape_metrics, served_models,
-                                    stream_completion)
+from kvprobe.serving.client import (Completion, ServerGone, get_json, scrape_metrics, stream_completion)
+from kvprobe.serving.served import check_model, load_tokenizer, pick_served, weights_identity  # noqa: F401
 from kvprobe.serving.prompts import ARMS, DEFAULT_POLICY_TOKENS, Policy, arm_values, build_policy
 
 TABLE = "serving"
@@ -98,56 +98,6 @@ def parse_answer(text: str, options=("yes", "no")) -> str:
         if word in options:
             return word
     return "?"
-
-
-def check_model(model: str) -> None:
-    """A one-line error unless ``model`` is a bundled alias or a local Hugging Face folder (fetches nothing)."""
-    from kvprobe.models import bundled
-
-    if model not in bundled.BUNDLED and not (Path(model).expanduser() / "config.json").exists():
-        raise UsageError(f"unknown model {model!r}; accepted: a bundled alias ({', '.join(bundled.BUNDLED)}) "
-                         f"or a local Hugging Face folder")
-
-
-def weights_identity(model: str) -> str:
-    """What the served weights are: a bundled alias's GGUF checksum, or a sha256 over a local
-    folder's config and weight files (their bytes)."""
-    import hashlib
-
-    from kvprobe.models import bundled
-
-    if model in bundled.BUNDLED:
-        return f"gguf:{bundled.BUNDLED[model].sha256[:16]}"
-    folder = Path(model).expanduser()
-    h = hashlib.sha256()
-    for f in sorted([folder / "config.json", *folder.glob("*.safetensors"), *folder.glob("*.bin")]):
-        h.update(f.name.encode())
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 22), b""):
-                h.update(block)
-    return f"files:{h.hexdigest()[:16]}"
-
-
-def load_tokenizer(model: str):
-    """The tokenizer of a bundled alias (fetched once if needed) or of a local Hugging Face folder."""
-    from transformers import AutoTokenizer
-
-    from kvprobe.models import bundled
-
-    check_model(model)
-    folder = bundled.fetch(model) if model in bundled.BUNDLED else Path(model).expanduser()
-    return AutoTokenizer.from_pretrained(folder)
-
-
-def pick_served(url: str, model: str) -> str:
-    """The server's name for ``model``: the alias itself, or the only model it serves."""
-    names = served_models(url)
-    if model in names or Path(model).name in names:
-        return model if model in names else Path(model).name
-    if len(names) == 1:
-        return names[0]
-    raise EnvironmentProblem(f"the server at {url} serves {names or 'no model'}, not {model!r}; "
-                             f"start it with --served-model-name {model}")
 
 
 def fire_with(send: Callable[[int], Completion], schedule: list[float], max_s: float,
