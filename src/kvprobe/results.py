@@ -2,7 +2,7 @@
 
 File names are constants; every writer is atomic (temp file, then rename) and returns the path
 it wrote, so an interrupted run never leaves a half-written table that looks finished. What each
-table holds (its columns, their types and units) is :mod:`kvprobe.tables`'; its names are
+table holds (its columns, their types and units) is in :mod:`kvprobe.tables`; its names are
 re-exported here, where the commands have always found them.
 """
 
