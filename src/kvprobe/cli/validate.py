@@ -46,6 +46,7 @@ def validate(model: opt.Model = opt.DEFAULTS["model"], n: int = typer.Option(50,
     from kvprobe.composer.blocks import check_composable
     from kvprobe.composer.gate import run_compose, summarize_compose
     from kvprobe.datasets.skills import check_options
+    from kvprobe.repair_rule import cases_to_establish
     from kvprobe.results import (COMPOSE, COMPOSE_MANIFEST, VALIDATE_CLAIM, ResultsFolder, atomic_write_parquet,
                                  version_entry)
 
@@ -91,16 +92,11 @@ def validate(model: opt.Model = opt.DEFAULTS["model"], n: int = typer.Option(50,
     agreement, lo, hi, k = float(gated.agreement), float(gated.agreement_lo), float(gated.agreement_hi), int(gated.n)
     stated = f"agreement {agreement:.3f} [{lo:.2f}, {hi:.2f}] (n={k}) at s={seam} (re-rotated)"
     if not lo >= threshold:  # the gate is the lower bound, as run's and the headline's
-        short = f"; all {k} agreeing would need n >= {_all_agree_needed(threshold)}" if agreement == 1 else ""
+        need = cases_to_establish(threshold)
+        short = ("" if agreement < 1 else f"; all {k} agreeing would need n >= {need}" if need
+                 else "; no number of queries reaches a lower bound of 1")
         console.print(f"[bold red]FAIL[/bold red]: {stated}: its lower bound is below the threshold {threshold:g}"
                       f"{short}")
         raise GateFailed(f"validate {model}: {stated} with full recompute: the lower bound {lo:.2f} is below the "
                          f"threshold {threshold:g}{short}")
     console.print(f"[bold green]PASS[/bold green]: {stated}: its lower bound >= {threshold:g}")
-
-
-def _all_agree_needed(threshold: float) -> int:
-    """The fewest queries whose Wilson lower bound reaches ``threshold`` when every one agrees."""
-    from kvprobe.metrics import wilson_ci
-
-    return next(n for n in range(1, 100_000) if wilson_ci(1.0, n)[0] >= threshold)
