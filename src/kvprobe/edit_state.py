@@ -136,13 +136,13 @@ class EditState:
             generate_kwargs.setdefault("tokenizer", self.lm.tokenizer)
         if generate_kwargs.get("generation_config") is None:
             generate_kwargs.setdefault("do_sample", False)
+        generate_kwargs.setdefault("pad_token_id", _pad_id(self.lm))
         with self.lm.lock:
             device = self.lm.model.device
             input_ids = torch.tensor([ids], device=device)
             out = self.lm.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                          cache=kvcache.copy(self.edited.cache),
-                                         max_new_tokens=max_new_tokens,
-                                         pad_token_id=_pad_id(self.lm), **generate_kwargs)
+                                         max_new_tokens=max_new_tokens, **generate_kwargs)
         new = out[0, len(ids):].tolist()
         eos = _eos_ids(self.lm)
         new = new[: next((i for i, t in enumerate(new) if t in eos), len(new))]  # the text stops before its end

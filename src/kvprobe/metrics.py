@@ -108,7 +108,7 @@ def stay_valid(decisions: pd.DataFrame) -> list[dict]:
 def summarize_edits(df: pd.DataFrame, by=("strategy", "cot")) -> pd.DataFrame:
     """One row per group: agreement, recovery (guarded), cosine, KL, cost, each with n and CI.
 
-    Cost is ``wall_ms``, the repair alone, and ``to_decision_ms``, the repair plus feeding the
+    Cost, in seconds, is ``wall_s``, the repair alone, and ``to_decision_s``, the repair plus feeding the
     tail (an erratum line, a hoisted suffix, the decision token) up to the decision's logits. The
     latter exists without CoT only: with CoT the strategies reason as one batch. Tables written
     before ``decide_s`` was recorded give NaN there."""
@@ -123,8 +123,8 @@ def summarize_edits(df: pd.DataFrame, by=("strategy", "cot")) -> pd.DataFrame:
                    n_excluded_small_flip=int(g.recovery.isna().sum()),
                    median_oracle_flip=float(g.oracle_flip.abs().median()),
                    correct=float(g.correct.mean()), cosine=float(g.cosine.mean()), kl=float(g.kl.mean()),
-                   frac_recomputed=float(g.frac_recomputed.mean()), wall_ms=1000 * float(g.wall_s.mean()),
-                   to_decision_ms=(1000 * float((g.wall_s + g.decide_s).mean(skipna=False))
-                                   if "decide_s" in g else float("nan")))
+                   frac_recomputed=float(g.frac_recomputed.mean()), wall_s=float(g.wall_s.mean()),
+                   to_decision_s=(float((g.wall_s + g.decide_s).mean(skipna=False))
+                                  if "decide_s" in g else float("nan")))
         rows.append(row)
     return pd.DataFrame(rows)

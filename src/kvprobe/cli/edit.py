@@ -120,9 +120,9 @@ def print_summary(df, all_cases: bool, title: str, min_flip: float) -> int:
         rec = (f"{r.recovery:+.2f} [{r.recovery_lo:+.2f}, {r.recovery_hi:+.2f}] ({r.n_recovery})" if r.n_recovery
                else "- (0)")
         agree = f"{r.agreement:.2f} [{r.agreement_lo:.2f}, {r.agreement_hi:.2f}]"
-        to_decision = "-" if math.isnan(r.to_decision_ms) else f"{r.to_decision_ms:.0f}"
+        to_decision = "-" if math.isnan(r.to_decision_s) else f"{1000 * r.to_decision_s:.0f}"
         table.add_row(r.strategy, str(r.cot), str(r.n), agree, rec, f"{r.median_oracle_flip:.2f}", f"{r.cosine:.3f}",
-                      f"{r.kl:.3f}", f"{r.frac_recomputed:.1%}", f"{r.wall_ms:.0f}", to_decision)
+                      f"{r.kl:.3f}", f"{r.frac_recomputed:.1%}", f"{1000 * r.wall_s:.0f}", to_decision)
     console.print(table)
     for cot in sorted(summ[summ.n_recovery == 0].cot.unique()):
         console.print(f"with cot={cot}: no recovery ratio, since no case's |oracle flip| reaches min_flip={min_flip:g}")

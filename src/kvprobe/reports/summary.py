@@ -125,8 +125,8 @@ def strategy_rows(run: Run) -> list[dict]:
             row |= {"agreement": stat_dict(Stat(r.agreement, r.agreement_lo, r.agreement_hi,
                                                 int(r.n) - errors)),
                     "recovery": stat_dict(Stat(r.recovery, r.recovery_lo, r.recovery_hi, int(r.n_recovery))),
-                    "frac_recomputed": _num(r.frac_recomputed), "repair_s": _num(r.wall_ms / 1000, 5),
-                    "to_decision_s": _num(r.to_decision_ms / 1000, 5)}
+                    "frac_recomputed": _num(r.frac_recomputed), "repair_s": _num(r.wall_s, 5),
+                    "to_decision_s": _num(r.to_decision_s, 5)}
         else:
             row |= {"agreement": None, "recovery": None, "frac_recomputed": None, "repair_s": None,
                     "to_decision_s": None}

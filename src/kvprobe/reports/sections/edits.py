@@ -85,8 +85,8 @@ def build_edits(run: Run) -> dict | None:
                          "agreement": Stat(r.agreement, r.agreement_lo, r.agreement_hi, int(r.n)),
                          "recovery": Stat(r.recovery, r.recovery_lo, r.recovery_hi, int(r.n_recovery)),
                          "excluded": int(r.n_excluded_small_flip), "flip": r.median_oracle_flip,
-                         "frac": r.frac_recomputed, "cosine": r.cosine, "kl": r.kl, "ms": r.wall_ms,
-                         "decision_ms": r.to_decision_ms,
+                         "frac": r.frac_recomputed, "cosine": r.cosine, "kl": r.kl, "ms": 1000 * r.wall_s,
+                         "decision_ms": 1000 * r.to_decision_s,
                          "errors": int(errors.get((r.strategy, r.cot), 0)) if len(errors) else 0,
                          "notes": notes.get((r.strategy, r.cot), [])})
     cots = sorted(int(c) for c in main["cot"].unique()) if "cot" in main else [0]
