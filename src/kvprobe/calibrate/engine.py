@@ -27,14 +27,14 @@ import pandas as pd
 import torch
 import yaml
 
-from kvprobe import results
 from kvprobe.calibrate.stats import Sequence
 from kvprobe.calibrate.summary import policy_of, summarize
 from kvprobe.calibrate.values import ValueSet, parse_values
 from kvprobe.errors import KvprobeError, UsageError
+from kvprobe.tables import CALIBRATION, CALIBRATION_SUMMARY  # noqa: F401  (the CLI imports both from here)
 
 DEFAULT_CANDIDATES = ("field_only", "erratum_turn:neutral", "erratum_turn")
-CALIBRATION, SUMMARY = results.CALIBRATION, results.CALIBRATION_SUMMARY  # the two tables (kvprobe.results)
+SUMMARY = CALIBRATION_SUMMARY  # the two tables' names are kvprobe.tables'
 POLICY_FILE = "field_policy.yaml"
 MANIFEST = "calibrate_manifest.json"
 SAME_IDS = "old and new value have the same token ids"
