@@ -69,8 +69,9 @@ def _fits(values: pd.Series, kind: str):
 @dataclass(frozen=True)
 class TableSchema:
     """The kinds of a results table's columns (name -> :data:`NUMBER`: numbers or true/false;
-    :data:`FLAG`: true/false or 0/1; :data:`TEXT`: strings; missing values are allowed in each):
-    every column a reader may use. Which columns must be there is the reader's to say."""
+    :data:`INT`: whole numbers; :data:`FLAG`: true/false or 0/1; :data:`TEXT`: strings; missing
+    values are allowed in each): every column its writer gives it. Which columns must be there is
+    the reader's to say."""
 
     what: str
     kinds: Mapping[str, str]
@@ -87,7 +88,6 @@ class TableSchema:
                     raise KvprobeError(f"{path} is not {self.what} as kvprobe writes it (column {col} holds "
                                        f"{bad!r}, where {_KIND[kind]} belong); rerun the command that wrote it, "
                                        f"or move the file away")
-
 
     def typed(self, df: pd.DataFrame) -> pd.DataFrame:
         """``df`` with its whole-number columns as ``Int64`` and its all-missing columns as their
@@ -112,9 +112,9 @@ def table_schema(what: str, text: str = "", number: str = "", flag: str = "", wh
                               **dict.fromkeys(flag.split(), FLAG), **dict.fromkeys(whole.split(), INT)})
 
 
-# The kinds of the columns each table's writer gives it (a column of missing values only, or of mixed
-# kinds, is left out). What must be there is the reader's: the report's NEEDS (kvprobe.reports.folder),
-# export-topk's columns (kvprobe.editor.topk).
+# The kind of every column each table's writer gives it (tests/unit/test_outputs.py fails on a column
+# written but not declared here). What must be there is the reader's: the report's NEEDS
+# (kvprobe.reports.folder), export-topk's columns (kvprobe.editor.topk).
 TABLE_SCHEMAS: dict[str, TableSchema] = {
     VALIDITY: table_schema("a validity table",
                            text="case_id domain field old_value new_value expected_old expected_new pred_old pred_new",
