@@ -19,7 +19,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-TIMING = ("wall_s", "decide_s", "setup_s", "seconds", "elapsed_s", "train_wall_s")
+# Clock readings (seconds measured, not computed): they differ on every run, so they are left out.
+TIMING = ("wall_s", "decide_s", "setup_s", "seconds", "elapsed_s", "train_wall_s", "case_s", "compose_s", "finish_s",
+          "full_s", "latency_s", "oracle_s", "oracle_wall_s", "run_wall_s", "send_s", "to_decision_s", "ttft_s")
 NOISE = 1e-4  # what float order (another CPU's kernels) may move a value by, in logits: see pinned_notes
 
 

@@ -32,6 +32,7 @@ from kvprobe.editor.runner import edit_case
 from kvprobe.editor.strategies import parse_strategy
 from kvprobe.editor.topk import export_topk, kinds_of_top
 from kvprobe.errors import CheckFailed
+from kvprobe.executor import Context, Serial
 from kvprobe.models import load_model
 from kvprobe.probes import STAGES, Inputs, in_order
 from kvprobe.probes.engine import PairMemo
@@ -76,14 +77,17 @@ class Stopwatch:
 
 
 def run_probes(cfg: RunConfig, lm, valid: list, folder: ResultsFolder, watch: Stopwatch,
-               pairs: PairMemo | None = None) -> dict[str, pd.DataFrame]:
+               pairs: PairMemo | None = None, executor=None) -> dict[str, pd.DataFrame]:
     """Every registered probe the config names, in dependency order, into ``out``; their tables by name.
 
     A per-case probe keeps each finished case under ``parts/<name>/`` (an interrupted run resumes
-    there); a probe across cases is not rerun once its table exists. ``pairs`` holds each case's
-    caches, built once and handed to every probe.
+    there) and runs its cases on ``executor`` (:mod:`kvprobe.executor`; serial by default); a probe
+    across cases runs here and is not rerun once its table exists. ``pairs`` holds each case's
+    caches, built once and handed to every probe (in each process that computes cases).
     """
     pairs = pairs or PairMemo(lm)
+    executor = executor or Serial()
+    ctx = Context(lm, pairs)
     out = folder.path
     tables: dict[str, pd.DataFrame] = {}
     stages = in_order(cfg.probes)
@@ -92,8 +96,8 @@ def run_probes(cfg: RunConfig, lm, valid: list, folder: ResultsFolder, watch: St
         probe = stage.build(Inputs(cfg.seed, cfg.model, tables, pairs))
         if stage.per_case:
             tick = watch.progress(stage.name, len(valid))
-            table = watch.run(stage.name, lambda: folder.parts(stage.name).map(
-                [(a.case.case_id, a) for a in valid], lambda a: probe.run_case(lm, a, pairs.get(a)), tick,
+            table = watch.run(stage.name, lambda: executor.map(
+                folder.parts(stage.name), [(a.case.case_id, a) for a in valid], _probe_case(probe), ctx, tick,
                 watch.case_s.setdefault(stage.name, {})))
         elif (out / stage.table).exists():
             table = pd.read_parquet(out / stage.table)
@@ -107,6 +111,11 @@ def run_probes(cfg: RunConfig, lm, valid: list, folder: ResultsFolder, watch: St
         for file, df in {stage.table: table, **stage.derived(table)}.items():
             atomic_write_parquet(df, out / file)
     return tables
+
+
+def _probe_case(probe):
+    """A per-case probe's task: ``probe.run_case`` on the caches of the process that runs it."""
+    return lambda ctx, a: probe.run_case(ctx.lm, a, ctx.pairs.get(a))
 
 
 @dataclass
@@ -139,12 +148,14 @@ def run_folder(cfg: RunConfig, out: Path | str) -> ResultsFolder:
     return ResultsFolder(out, RUN_CLAIM, cfg.model_dump(), settle=settled)
 
 
-def run(cfg: RunConfig, out: Path | str, progress=None, lm=None, cases: list | None = None) -> dict:
+def run(cfg: RunConfig, out: Path | str, progress=None, lm=None, cases: list | None = None, executor=None) -> dict:
     """Run everything ``cfg`` asks for into ``out``; returns the manifest.
 
     Every input is checked before ``out`` is claimed or any model work starts (:func:`prepare`);
-    ``cases`` are the dataset's cases when the caller already resolved them.
+    ``cases`` are the dataset's cases when the caller already resolved them. ``executor``
+    (:mod:`kvprobe.executor`: serial by default, or Ray workers) computes the per-case stages.
     """
+    executor = executor or Serial()
     out = Path(out)
     watch = Stopwatch(progress or (lambda name, total: (lambda: None)))
     t0 = time.perf_counter()
@@ -159,14 +170,14 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None, cases: list | N
     # each case's two caches (and residual streams, for a probe stage that reads them): prefilled
     # once, at validity, for every later stage
     pairs = PairMemo(lm, residuals=any(stage.residuals for stage in in_order(cfg.probes)))
-    select_cases(cfg, lm, sel, folder, watch, pairs)
-    tables = run_probes(cfg, lm, sel.valid, folder, watch, pairs)
+    select_cases(cfg, lm, sel, folder, watch, pairs, executor)
+    tables = run_probes(cfg, lm, sel.valid, folder, watch, pairs, executor)
     rule = learn_rule(cfg, tables.get("locality", pd.DataFrame()), sel, out)
-    run_edits_stage(cfg, lm, sel, rule, folder, watch, pairs)
+    run_edits_stage(cfg, lm, sel, rule, folder, watch, pairs, executor)
     pairs.keep(())
-    compose_summary = run_compose_stage(cfg, lm, folder, watch)
+    compose_summary = run_compose_stage(cfg, lm, folder, watch, executor)
     manifest = write_manifest(cfg, lm, sel, compose_summary, folder, {**watch.wall, "total": time.perf_counter() - t0},
-                              run_profile(watch, sel, out))
+                              run_profile(watch, sel, out), executor.describe())
     if rule is not None:
         export_topk(out, threshold=cfg.threshold)
     return manifest
@@ -189,24 +200,29 @@ def prepare(cfg: RunConfig, lm, cases: list) -> Selection:
 
 
 def select_cases(cfg: RunConfig, lm, sel: Selection, folder: ResultsFolder, watch: Stopwatch,
-                 pairs: PairMemo | None = None) -> Selection:
-    """Check every aligned case's validity (resumable), choose what is probed and edited; ``pairs``
-    keeps the caches of the chosen cases for the later stages."""
+                 pairs: PairMemo | None = None, executor=None) -> Selection:
+    """Check every aligned case's validity (resumable, on ``executor``), choose what is probed and
+    edited; ``pairs`` keeps the caches of the chosen cases for the later stages."""
     pairs = pairs or PairMemo(lm)
+    executor = executor or Serial()
+    ctx = Context(lm, pairs)
+    valid_only = cfg.valid_only
 
-    def check(a) -> pd.DataFrame:
-        row = validity_row(lm, a, pairs.get(a))
-        if not (row["valid"] or (not cfg.valid_only and not row["control"])):
-            pairs.drop(a.case.case_id)  # never probed nor edited
+    def check(ctx, a) -> pd.DataFrame:
+        row = validity_row(ctx.lm, a, ctx.pairs.get(a))
+        if not (row["valid"] or (not valid_only and not row["control"])):
+            ctx.pairs.drop(a.case.case_id)  # never probed nor edited
         return pd.DataFrame([row])
 
     sizing = cfg.sizing()
     tick = watch.progress("validity", len(sel.aligned))
     times = watch.case_s.setdefault("validity", {})
     if sizing is None:
-        validity = watch.run("validity", lambda: folder.parts("validity").map(sel.aligned.items(), check, tick, times))
+        validity = watch.run("validity", lambda: executor.map(folder.parts("validity"), sel.aligned.items(), check,
+                                                              ctx, tick, times))
     else:
-        validity = watch.run("validity", lambda: _sized_validity(cfg, sel, folder, check, tick, times, sizing))
+        validity = watch.run("validity", lambda: _sized_validity(cfg, sel, folder, check, tick, times, sizing,
+                                                                 executor, ctx))
     out = folder.path
     atomic_write_parquet(validity, out / VALIDITY)
     sel.validity = validity
@@ -227,21 +243,32 @@ def select_cases(cfg: RunConfig, lm, sel: Selection, folder: ResultsFolder, watc
 
 
 def _sized_validity(cfg: RunConfig, sel: Selection, folder: ResultsFolder, check, tick, times: dict,
-                    sizing: dict) -> pd.DataFrame:
+                    sizing: dict, executor, ctx: Context) -> pd.DataFrame:
     """Validity of the aligned cases in dataset order until the sized run's targets are met
     (:meth:`RunConfig.sizing`): a decision case once enough valid decision cases are found, and a
     control once enough valid controls are, is not checked. Records in ``sizing`` how many were
-    checked and why the run stopped there."""
+    checked and why the run stopped there.
+
+    The rule is applied to the results in dataset order, as they are yielded, so an executor that
+    computes cases ahead (Ray workers) checks the same cases as a serial run: a case it computed
+    that the rule passes over is left out (a part on disk, counted as the executor's waste)."""
     want = {False: sizing["valid_decision"], True: sizing["valid_controls"]}
     got = {False: 0, True: 0}
     checked = []
-    for key, a in sel.aligned.items():
-        control = bool(a.case.control)
+
+    def wanted():  # the cases still asked for, as the executor draws them
+        for key, a in sel.aligned.items():
+            if all(got[c] >= want[c] for c in want):
+                return
+            if got[bool(a.case.control)] < want[bool(a.case.control)]:
+                yield key, a
+
+    for key, df, _ in executor.each(folder.parts("validity"), wanted(), check, ctx, times):
+        control = bool(sel.aligned[key].case.control)
         if got[control] >= want[control]:
             if got[not control] >= want[not control]:
                 break
             continue
-        df = next(iter(folder.parts("validity").each([(key, a)], check, times)))[1]
         checked.append(df)
         tick()
         row = df.iloc[0]
@@ -275,9 +302,12 @@ def learn_rule(cfg: RunConfig, locality: pd.DataFrame, sel: Selection, out: Path
 
 
 def run_edits_stage(cfg: RunConfig, lm, sel: Selection, rule, folder: ResultsFolder, watch: Stopwatch,
-                    pairs: PairMemo | None = None) -> pd.DataFrame:
-    """Every strategy on the valid cases (and controls), per CoT budget; the K sweep on the held-out half.
-    Without CoT a case starts from its old cache in ``pairs`` (kept from validity)."""
+                    pairs: PairMemo | None = None, executor=None) -> pd.DataFrame:
+    """Every strategy on the valid cases (and controls), per CoT budget, on ``executor``; the K sweep
+    on the held-out half. Without CoT a case starts from its old cache in ``pairs`` (kept from
+    validity, in the process that checked it; another process builds it again, the same numbers)."""
+    executor = executor or Serial()
+    ctx = Context(lm, pairs) if pairs is not None else Context(lm)
     learned = rule is not None and rule.n_cases > 0
     base = cfg.edit_strategies()
     rankings = [r for r in cfg.rankings if r != "causal" or learned]
@@ -285,28 +315,28 @@ def run_edits_stage(cfg: RunConfig, lm, sel: Selection, rule, folder: ResultsFol
     edit_items = [(f"{a.case.case_id}.cot{c}", (a, c)) for a in sel.valid + sel.controls for c in cfg.cot]
     tick = watch.progress("edits", len(edit_items))
 
-    def edit_one(item):
+    def edit_one(ctx, item):
         a, cot = item
         sweep = []
         if a.case.case_id in held and cot == 0:
             n_down = a.downstream[1] - a.downstream[0]
             sweep = [parse_strategy(f"selective:{k}:{r}") for k in cfg.ks if k <= n_down for r in rankings]
-        case = a if cot == 0 else align(a.case.model_copy(update={"cot": True}), lm.tokenizer, cfg.form)
+        case = a if cot == 0 else align(a.case.model_copy(update={"cot": True}), ctx.lm.tokenizer, cfg.form)
         if isinstance(case, Skip):
             return pd.DataFrame()
-        old_cache = pairs.get(a).old if pairs is not None and cot == 0 else None
-        return edit_case(lm, case, base, cot, cfg.min_flip, ranking=rule, seed=cfg.seed, model_name=cfg.model,
+        old_cache = ctx.pairs.get(a).old if cot == 0 else None
+        return edit_case(ctx.lm, case, base, cot, cfg.min_flip, ranking=rule, seed=cfg.seed, model_name=cfg.model,
                          old_cache=old_cache, sweep=sweep)
 
-    edits = watch.run("edits", lambda: folder.parts("edits").map(edit_items, edit_one, tick,
-                                                                 watch.case_s.setdefault("edits", {})))
+    edits = watch.run("edits", lambda: executor.map(folder.parts("edits"), edit_items, edit_one, ctx, tick,
+                                                    watch.case_s.setdefault("edits", {})))
     if not learned and "ranking" in edits:  # parts stored by a version that ranked with an empty rule
         edits = edits[edits.ranking.ne("causal")]
     atomic_write_parquet(edits, folder.path / EDITS)
     return edits
 
 
-def run_compose_stage(cfg: RunConfig, lm, folder: ResultsFolder, watch: Stopwatch) -> list[dict]:
+def run_compose_stage(cfg: RunConfig, lm, folder: ResultsFolder, watch: Stopwatch, executor=None) -> list[dict]:
     """With ``compose: N``, the composition gate on N queries (as ``kvprobe validate``); its summary rows."""
     if not cfg.compose:
         return []
@@ -314,7 +344,7 @@ def run_compose_stage(cfg: RunConfig, lm, folder: ResultsFolder, watch: Stopwatc
     tick = watch.progress("compose", cfg.compose)
     composed = watch.run("compose", lambda: run_compose(
         lm, n=cfg.compose, seed=cfg.seed, seams=cfg.compose_seams, form=cfg.form, store_dir=folder.path / "blocks",
-        model_name=cfg.model, parts=folder.parts("compose"), on_query=tick))
+        model_name=cfg.model, parts=folder.parts("compose"), on_query=tick, executor=executor))
     atomic_write_parquet(composed, folder.path / COMPOSE)
     return summarize_compose(composed).to_dict("records")
 
@@ -341,9 +371,10 @@ def run_profile(watch: Stopwatch, sel: Selection, out: Path) -> dict:
 
 
 def write_manifest(cfg: RunConfig, lm, sel: Selection, compose_summary: list[dict], folder: ResultsFolder,
-                   wall_s: dict[str, float], profile: dict | None = None) -> dict:
+                   wall_s: dict[str, float], profile: dict | None = None, executor: dict | None = None) -> dict:
     """manifest.json: config, model fingerprint, versions, counts and skip reasons, wall time per
-    stage, and the run's cost in prefill-equivalents (:func:`run_profile`)."""
+    stage, the run's cost in prefill-equivalents (:func:`run_profile`) and how its cases were
+    computed (``executor``: :meth:`kvprobe.executor.Serial.describe`; not part of the claim)."""
     validity = sel.validity
     counts = {"cases": len(sel.cases), "aligned": len(sel.aligned), "checked": len(validity),
               "probed_decision": len(sel.valid_ids),
@@ -357,7 +388,8 @@ def write_manifest(cfg: RunConfig, lm, sel: Selection, compose_summary: list[dic
         skipped=[{"case_id": s.case_id, "reason": s.reason} for s in sel.skipped],
         invalid_reasons=_invalid_reasons(validity), validity=summarize(validity) if len(validity) else {},
         compose=compose_summary, sizing=sel.sizing, tables=sorted(p.name for p in folder.path.glob("*.parquet")),
-        wall_s={k: round(v, 2) for k, v in wall_s.items()}, prefill_equivalents=profile or {})
+        wall_s={k: round(v, 2) for k, v in wall_s.items()}, prefill_equivalents=profile or {},
+        executor=executor or {"executor": "serial", "workers": 1})
     folder.write(MANIFEST, manifest)
     return manifest
 

@@ -31,6 +31,7 @@ from kvprobe.calibrate.stats import Sequence
 from kvprobe.calibrate.summary import policy_of, summarize
 from kvprobe.calibrate.values import ValueSet, parse_values
 from kvprobe.errors import KvprobeError, UsageError
+from kvprobe.executor import Context, Serial
 from kvprobe.tables import CALIBRATION, CALIBRATION_SUMMARY  # noqa: F401  (the CLI imports both from here)
 
 DEFAULT_CANDIDATES = ("field_only", "erratum_turn:neutral", "erratum_turn")
@@ -156,6 +157,9 @@ def _pairs(spec: CalibrationSpec, name: str, seed: int, n: int):
         yield f"{i:05d}", (base, spec.fields[name].other(base[name], rng))
 
 
+_PREFIX = "calibrate.prefix"  # the SharedPrefix of the process measuring pairs (Context.keep)
+
+
 class SharedPrefix:
     """The old prompts' common beginning, prefilled once per calibration (a one-entry prefix cache,
     as a serving engine's): every pair's old prompt starts with the template's text before its
@@ -239,15 +243,25 @@ class Calibration:
     summary: pd.DataFrame
     policy: dict
     fields: list[FieldResult]
-    prefix_tokens_saved: int = 0  # old-prompt tokens not prefilled again (SharedPrefix), this session
+    prefix_tokens_saved: int = 0  # old-prompt tokens not prefilled again (SharedPrefix), this process
+    wasted: int = 0  # pairs a parallel executor measured past a field's stopping point: dropped, parts kept
 
 
 def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CANDIDATES, threshold: float = 0.95,
               max_pairs: int = 200, seed: int = 0, form: str = "auto", parts=None,
-              progress: Callable[[str, int, int], None] = lambda field, done, total: None) -> Calibration:
+              progress: Callable[[str, int, int], None] = lambda field, done, total: None,
+              executor=None) -> Calibration:
     """Calibrate every field of ``spec`` (or the spec file at that path) on the model ``lm`` (a
     loaded model or a spec :func:`kvprobe.load` takes; see the module docstring).
-    ``parts(name)`` gives a :class:`kvprobe.results.CaseStore` per field to keep finished pairs."""
+    ``parts(name)`` gives a :class:`kvprobe.results.CaseStore` per field to keep finished pairs.
+
+    ``executor`` (:mod:`kvprobe.executor`; serial by default) measures the pairs. The sequential
+    rule reads them in the order they were drawn, whatever order the workers finish in, so it
+    stops at the same pair as a serial run: the pairs used are the serial run's. Pairs a parallel
+    executor measured past that point (at most its lookahead per field) are dropped, never counted:
+    counting them would let the stopping time depend on which pairs finish first, and the interval
+    is valid for the rule applied to the drawn sequence. They are reported (``Calibration.wasted``)
+    and their parts kept."""
     from kvprobe.editor.strategies import parse_strategy
 
     if not isinstance(spec, CalibrationSpec):
@@ -265,6 +279,10 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
         raise UsageError(f"threshold must be in (0, 1), got {threshold}")
     typed = [parse_strategy(s) for s in candidates]
     prefix = SharedPrefix(lm)  # the template before its first field: prefilled once, for every field's pairs
+    executor = executor or Serial()
+    ctx = Context(lm)
+    ctx.memo[_PREFIX] = prefix  # a worker process keeps its own
+    wasted = executor.wasted
     seq = Sequence(threshold=threshold, m=len(candidates))
     change_seq = Sequence(threshold=threshold)
     frames, results = [], []
@@ -273,10 +291,10 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
         items = _pairs(spec, name, seed, 2 * max_pairs + 10)  # skipped draws (no oracle run) are not budget
         start = time.perf_counter()
 
-        def one(pair, name=name):
-            return measure_pair(lm, spec, name, pair[0], pair[1], typed, form, prefix)
+        def one(ctx, pair, name=name):
+            return measure_pair(ctx.lm, spec, name, pair[0], pair[1], typed, form, ctx.keep(_PREFIX, SharedPrefix))
 
-        loop = parts(name).each(items, one) if parts is not None else ((k, one(p), False) for k, p in items)
+        loop = executor.each(parts(name) if parts is not None else None, items, one, ctx)
         for _, df, _ in loop:
             frames.append(df)
             if isinstance(df.skip.iloc[0], str):
@@ -308,12 +326,13 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
                 break
         else:
             _decide(res, seq, candidates, final=True)
+        loop.close()  # pairs measured ahead of the stopping point are counted now
         res.seconds = time.perf_counter() - start
         results.append(res)
     rows = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     summary = summarize(rows, results, seq, change_seq, candidates)
     policy = policy_of(lm, spec, results, summary, seq, change_seq, candidates, max_pairs)
-    return Calibration(rows, summary, policy, results, prefix.tokens_saved)
+    return Calibration(rows, summary, policy, results, prefix.tokens_saved, executor.wasted - wasted)
 
 
 def _decide(res: FieldResult, seq: Sequence, candidates: list[str], final: bool = False) -> bool:

@@ -8,11 +8,11 @@ import typer
 from rich.table import Table
 
 from kvprobe.cli import options as opt
-from kvprobe.cli.common import console, load_with_status, progress_bar, usable_out
+from kvprobe.cli.common import console, executor_for, load_with_status, progress_bar, usable_out
 from kvprobe.errors import UsageError
 
 
-def calibrate(spec: Path = typer.Argument(..., help="a calibration spec (YAML: template, fields, question, options, "
+def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calibration spec (YAML: template, fields, question, options, "
                                                     "system); examples/calibrate-toy.yaml"),
               model: opt.Model = opt.DEFAULTS["model"],
               candidates: str = typer.Option("field_only,erratum_turn:neutral,erratum_turn",
@@ -22,7 +22,10 @@ def calibrate(spec: Path = typer.Argument(..., help="a calibration spec (YAML: t
               max_pairs: int = typer.Option(200, min=1, help="oracle-checked pairs per field at most"),
               seed: opt.Seed = 0, form: opt.Form = opt.DEFAULTS["form"],
               dtype: opt.Dtype = "float32", device: opt.Device = "cpu", device_map: opt.DeviceMap = "none",
-              allow_failed_toy: opt.AllowFailedToy = False, out: opt.Out = None) -> None:
+              allow_failed_toy: opt.AllowFailedToy = False, out: opt.Out = None,
+              executor: opt.Executor = "serial", workers: opt.Workers = 2, ray_address: opt.RayAddress = None,
+              gpus_per_worker: opt.GpusPerWorker = 0.0, threads_per_worker: opt.ThreadsPerWorker = 1,
+              retries: opt.Retries = 2) -> None:
     """Learn which repair each field of a template needs: per field, how often an edit changes the
     oracle's decision, each candidate's agreement and spurious flips with intervals valid under
     early stopping, and the chosen repair. Writes field_policy.yaml (read by auto, EditableContext
@@ -51,22 +54,25 @@ def calibrate(spec: Path = typer.Argument(..., help="a calibration spec (YAML: t
         "model": model, "spec": cal_spec.digest(), "candidates": specs, "threshold": threshold, "seed": seed,
         "form": form}, held="calibration with other settings", dtype=dtype)
     folder.check()
+    ex = executor_for(ctx, executor, workers, ray_address, gpus_per_worker, threads_per_worker, retries)
     lm = load_with_status(model, dtype, device, allow_failed_toy=allow_failed_toy, device_map=device_map)
     folder.claim(lm)
-    with progress_bar() as bar:
+    with ex, progress_bar() as bar:
         tasks = {name: bar.add_task(f"calibrating {name}", total=max_pairs) for name in cal_spec.fields}
 
         def progress(name: str, done: int, total: int):
             bar.update(tasks[name], completed=done)
 
         cal = run_calibration(lm, cal_spec, candidates=specs, threshold=threshold, max_pairs=max_pairs, seed=seed,
-                              form=form, parts=lambda name: folder.parts(f"pairs/{name}"), progress=progress)
+                              form=form, parts=lambda name: folder.parts(f"pairs/{name}"), progress=progress,
+                              executor=ex)
     atomic_write_parquet(cal.rows, out / CALIBRATION)
     atomic_write_parquet(cal.summary, out / SUMMARY)
     policy_path = field_policy.write(cal.policy, out / POLICY_FILE)
     folder.write(MANIFEST, folder.manifest(lm, kvprobe_calibrate=1, spec=str(spec), template=cal.policy["template"],
                                            settings=folder.settings, method=cal.policy["method"],
                                            prefix_tokens_saved=cal.prefix_tokens_saved,
+                                           executor={**ex.describe(), "pairs_measured_unused": cal.wasted},
                                            fields={f.name: {"pairs": f.pairs, "skipped": f.skipped,
                                                             "seconds": round(f.seconds, 1)} for f in cal.fields}))
     print_table(cal, model, threshold)

@@ -110,6 +110,38 @@ def load_with_status(spec: str, dtype: str = "float32", device: str = "cpu", att
         return load_model(spec, **kwargs)
 
 
+def executor_for(ctx, executor: str, workers: int, ray_address: str | None, gpus_per_worker: float,
+                 threads_per_worker: int, retries: int):
+    """The executor of a command's --executor options (before any model is loaded: Ray missing or
+    an address nothing answers at is refused here); a Ray-only option given with --executor serial
+    is refused, not ignored."""
+    from kvprobe.cli.options import RAY_ONLY
+    from kvprobe.executor import make_executor
+
+    if executor == "serial":
+        given = [name for name in RAY_ONLY if _given(ctx, name)]
+        if given:
+            raise UsageError(f"--{given[0].replace('_', '-')} applies to --executor ray only; add --executor ray or "
+                             f"leave it out")
+    ex = make_executor(executor, workers, ray_address, gpus_per_worker, threads_per_worker, retries,
+                       say=lambda message: err_console.print(message, highlight=False, markup=False, soft_wrap=True))
+    if executor == "ray":
+        try:
+            ex.prepare()
+        except BaseException:
+            ex.close()
+            raise
+    return ex
+
+
+def _given(ctx, name: str) -> bool:
+    try:  # typer >= 0.20 vendors click: its own ParameterSource
+        from typer._click.core import ParameterSource
+    except ImportError:  # pragma: no cover
+        from click.core import ParameterSource
+    return ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
+
+
 def usable_out(out: Path, option: str = "--out") -> Path:
     """Refuse, before any work, an output folder that is a file or cannot be written."""
     if out.exists() and not out.is_dir():

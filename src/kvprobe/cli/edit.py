@@ -9,18 +9,20 @@ import typer
 from rich.table import Table
 
 from kvprobe.cli import options as opt
-from kvprobe.cli.common import console, emit_json, load_with_status, progress_bar, usable_out
+from kvprobe.cli.common import console, emit_json, executor_for, load_with_status, progress_bar, usable_out
 from kvprobe.errors import CheckFailed, UsageError
 
 
-def edit(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "default",
+def edit(ctx: typer.Context, model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "default",
          strategies: opt.Strategies = opt.DEFAULTS["strategies"], n: opt.N = opt.DEFAULTS["n"], seed: opt.Seed = 0,
          cot: opt.Cot = "0", form: opt.Form = opt.DEFAULTS["form"], few_shot: opt.FewShot = 0,
          min_flip: opt.MinFlip = opt.DEFAULTS["min_flip"],
          all_cases: bool = typer.Option(False, "--all-cases", help="summarise invalid cases too"),
          dtype: opt.Dtype = "float32", device: opt.Device = "cpu", device_map: opt.DeviceMap = "none",
          allow_failed_toy: opt.AllowFailedToy = False,
-         out: opt.Out = None) -> None:
+         out: opt.Out = None, executor: opt.Executor = "serial", workers: opt.Workers = 2,
+         ray_address: opt.RayAddress = None, gpus_per_worker: opt.GpusPerWorker = 0.0,
+         threads_per_worker: opt.ThreadsPerWorker = 1, retries: opt.Retries = 2) -> None:
     """Run edit strategies on a model and dataset; writes edits.parquet and prints the summary.
 
     Exits 1 when no decision case is valid (the model answers none correctly under both values).
@@ -46,19 +48,21 @@ def edit(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "defau
     cases = load_cases(cfg)
     check_case_ids(c.case_id for c in cases)
     require_answers(cases, "kvprobe edit")
+    ex = executor_for(ctx, executor, workers, ray_address, gpus_per_worker, threads_per_worker, retries)
     lm = load_with_status(model, dtype, device, allow_failed_toy=allow_failed_toy, device_map=device_map)
     aligned, _ = align_all(lm, cases, cfg.form)
     precheck_cases(lm, aligned, cfg.edit_strategies(), cfg.cot, cfg.form)
     folder.claim(lm, cases)
     store = folder.parts("edits")
-    with progress_bar() as bar:
+    with ex, progress_bar() as bar:
         task = bar.add_task(f"editing {len(cases)} cases x {len(cfg.cot)} CoT settings",
                             total=len(cases) * len(cfg.cot))
         df, skipped = run_edits(lm, cases, cfg.edit_strategies(), cfg.cot, form, min_flip, model_name=model, store=store,
-                                on_case=lambda: bar.advance(task))
+                                on_case=lambda: bar.advance(task), executor=ex)
     path = store.collect()
     folder.write("edit_manifest.json", folder.manifest(
-        lm, **folder.settings, skipped=[{"case_id": s.case_id, "reason": s.reason} for s in skipped]))
+        lm, **folder.settings, executor=ex.describe(),
+        skipped=[{"case_id": s.case_id, "reason": s.reason} for s in skipped]))
     n_valid = print_summary(df, all_cases, model, min_flip)
     console.print(f"wrote {path} ({EDITS})")
     if n_valid == 0:

@@ -120,6 +120,32 @@ def out_option(what: str):
 
 Out = Annotated[Path | None, typer.Option(show_default=False, help=_out_help("default results/<command>/<model>"))]
 
+# Where the cases are computed (kvprobe.executor, docs/distributed.md): run, edit, sweep, validate, calibrate.
+EXECUTORS = ("serial", "ray")
+
+
+def _executor(value: str) -> str:
+    from kvprobe.errors import UsageError
+
+    if value not in EXECUTORS:
+        raise UsageError(f"unknown --executor {value!r}; accepted: {', '.join(EXECUTORS)}")
+    return value
+
+
+Executor = Annotated[str, typer.Option("--executor", callback=_executor, help="where the cases are computed: serial "
+                                       "(here, one after another) or ray (Ray actors, each holding the model once; "
+                                       "pip install 'kvprobe[ray]'; docs/distributed.md)")]
+Workers = Annotated[int, typer.Option(min=1, help="with --executor ray: how many workers (actors)")]
+RayAddress = Annotated[str | None, typer.Option(show_default="a local Ray on 127.0.0.1", help="with --executor ray: "
+                                                "a running cluster, HOST:PORT, ray://HOST:PORT or auto")]
+GpusPerWorker = Annotated[float, typer.Option(min=0.0, help="with --executor ray: GPUs per worker (with --device "
+                                                            "cuda)")]
+ThreadsPerWorker = Annotated[int, typer.Option(min=1, help="with --executor ray: CPUs (torch threads) per worker")]
+Retries = Annotated[int, typer.Option(min=0, help="with --executor ray: times an item is sent again after its worker "
+                                                  "died, and workers replaced")]
+RAY_ONLY = ("workers", "ray_address", "gpus_per_worker", "threads_per_worker", "retries")
+
+
 DEFAULTS = {"model": DEFAULT_MODEL, "n": DEFAULT_N, "budget": DEFAULT_BUDGET, "threshold": DEFAULT_THRESHOLD,
             "min_flip": DEFAULT_MIN_FLIP,
             "strategies": ",".join(DEFAULT_STRATEGIES), "form": DEFAULT_FORM}

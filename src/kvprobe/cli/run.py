@@ -12,7 +12,7 @@ except ImportError:  # pragma: no cover
     from click.core import ParameterSource
 
 from kvprobe.cli import options as opt
-from kvprobe.cli.common import console, load_with_status, progress_bar, usable_out
+from kvprobe.cli.common import console, executor_for, load_with_status, progress_bar, usable_out
 from kvprobe.errors import UsageError
 
 
@@ -40,7 +40,10 @@ def run(ctx: typer.Context,
         out: Path | None = opt.out_option("default results/<model>"),
         report: bool = typer.Option(True, help="write report.html at the end"),
         dtype: opt.Dtype = "float32", device: opt.Device = "cpu", device_map: opt.DeviceMap = "none",
-        allow_failed_toy: opt.AllowFailedToy = False) -> None:
+        allow_failed_toy: opt.AllowFailedToy = False, executor: opt.Executor = "serial",
+        workers: opt.Workers = 2, ray_address: opt.RayAddress = None,
+        gpus_per_worker: opt.GpusPerWorker = 0.0, threads_per_worker: opt.ThreadsPerWorker = 1,
+        retries: opt.Retries = 2) -> None:
     """Validity, the four probes, every edit strategy and the top-K export, into one results folder.
 
     Every input is checked before any model work. An interrupted run resumes from where it stopped
@@ -74,16 +77,17 @@ def run(ctx: typer.Context,
     cases = load_cases(cfg)
     check_case_ids(c.case_id for c in cases)
     require_answers(cases, "kvprobe run")
+    ex = executor_for(ctx, executor, workers, ray_address, gpus_per_worker, threads_per_worker, retries)
     lm = load_with_status(cfg.model, cfg.dtype, cfg.device, allow_failed_toy=allow_failed_toy,
                           device_map=cfg.device_map)
-    with progress_bar() as bar:
+    with ex, progress_bar() as bar:
         tasks = {}
 
         def progress(stage: str, total: int):
             tasks[stage] = bar.add_task(stage, total=total)
             return lambda: bar.advance(tasks[stage])
 
-        manifest = run_pipeline(cfg, out, progress=progress, lm=lm, cases=cases)
+        manifest = run_pipeline(cfg, out, progress=progress, lm=lm, cases=cases, executor=ex)
     c = manifest["counts"]
     console.print(f"{cfg.model}: {c['valid_decision']} valid decision cases of {c.get('checked', c['aligned'])} checked "
                   f"({c['aligned']} aligned) "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from kvprobe.cli import options as opt
-from kvprobe.cli.common import console, load_with_status, progress_bar, usable_out
+from kvprobe.cli.common import console, executor_for, load_with_status, progress_bar, usable_out
 from kvprobe.defaults import (
     LAYOUT_NAMES,
     SWEEP_FILLER_TOKENS,
@@ -15,7 +15,7 @@ from kvprobe.defaults import (
 from kvprobe.errors import UsageError
 
 
-def sweep(model: opt.Model = opt.DEFAULTS["model"],
+def sweep(ctx: typer.Context, model: opt.Model = opt.DEFAULTS["model"],
           layouts: str = typer.Option(",".join(SWEEP_LAYOUTS),
                                       help=f"comma-separated prompt layouts: {', '.join(LAYOUT_NAMES)}"),
           filler_tokens: str = typer.Option(",".join(map(str, SWEEP_FILLER_TOKENS)),
@@ -38,7 +38,10 @@ def sweep(model: opt.Model = opt.DEFAULTS["model"],
           out: opt.Out = None,
           report: bool = typer.Option(True, help="write report.html at the end"),
           dtype: opt.Dtype = "float32", device: opt.Device = "cpu", device_map: opt.DeviceMap = "none",
-          allow_failed_toy: opt.AllowFailedToy = False) -> None:
+          allow_failed_toy: opt.AllowFailedToy = False, executor: opt.Executor = "serial",
+          workers: opt.Workers = 2, ray_address: opt.RayAddress = None,
+          gpus_per_worker: opt.GpusPerWorker = 0.0, threads_per_worker: opt.ThreadsPerWorker = 1,
+          retries: opt.Retries = 2) -> None:
     """Where does the model keep its conclusions, per prompt layout and distance?
 
     For each cell of layouts x filler lengths (x field and rule styles): validity, field-only and
@@ -64,13 +67,14 @@ def sweep(model: opt.Model = opt.DEFAULTS["model"],
     sweep_folder(cfg, out).check()  # before loading the model
     # device_map is not a SweepConfig key: placement does not change a sweep's settings, the manifest's
     # model_info records it
+    ex = executor_for(ctx, executor, workers, ray_address, gpus_per_worker, threads_per_worker, retries)
     lm = load_with_status(model, cfg.dtype, cfg.device, allow_failed_toy=allow_failed_toy, device_map=device_map)
-    with progress_bar() as bar:
+    with ex, progress_bar() as bar:
         def progress(cell: str, total: int):
             task = bar.add_task(f"{cell} (valid cases)" if cfg.valid else cell, total=total)
             return lambda: bar.advance(task)
 
-        manifest = run_sweep(cfg, lm, out, progress=progress)
+        manifest = run_sweep(cfg, lm, out, progress=progress, executor=ex)
     print_sweep(out)
     console.print(f"{len(manifest['cells'])} cells in {manifest['wall_s']['cells']:.0f} s of measurement; "
                   f"results in {out}")

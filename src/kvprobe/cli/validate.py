@@ -13,7 +13,7 @@ import typer
 from rich.table import Table
 
 from kvprobe.cli import options as opt
-from kvprobe.cli.common import console, load_with_status, progress_bar, usable_out
+from kvprobe.cli.common import console, executor_for, load_with_status, progress_bar, usable_out
 from kvprobe.defaults import GATE_SEAM, GATE_THRESHOLD
 from kvprobe.errors import CheckFailed, UsageError
 
@@ -22,7 +22,8 @@ class GateFailed(CheckFailed):
     """Agreement at the gated seam fell below the threshold (exit status 1)."""
 
 
-def validate(model: opt.Model = opt.DEFAULTS["model"], n: int = typer.Option(50, min=1, help="decision queries"),
+def validate(ctx: typer.Context, model: opt.Model = opt.DEFAULTS["model"],
+             n: int = typer.Option(50, min=1, help="decision queries"),
              seed: opt.Seed = 0,
              seams: str = typer.Option("0,1,2,4,8,16,32", help="comma-separated seam-repair widths s, each >= 0"),
              seam: int = typer.Option(GATE_SEAM, min=0, help="the gated seam width"),
@@ -36,7 +37,9 @@ def validate(model: opt.Model = opt.DEFAULTS["model"], n: int = typer.Option(50,
              store: bool = typer.Option(True, help="save every block to <out>/blocks and compose from the files"),
              dtype: opt.Dtype = "float32", device: opt.Device = "cpu", device_map: opt.DeviceMap = "none",
              allow_failed_toy: opt.AllowFailedToy = False,
-             out: opt.Out = None) -> None:
+             out: opt.Out = None, executor: opt.Executor = "serial", workers: opt.Workers = 2,
+             ray_address: opt.RayAddress = None, gpus_per_worker: opt.GpusPerWorker = 0.0,
+             threads_per_worker: opt.ThreadsPerWorker = 1, retries: opt.Retries = 2) -> None:
     """Composed caches against full recompute: agreement, cosine and KL for every seam width.
 
     Exits 1 when the 95% lower bound of agreement at --seam (re-rotated) is below --threshold.
@@ -61,23 +64,24 @@ def validate(model: opt.Model = opt.DEFAULTS["model"], n: int = typer.Option(50,
               "form": form, "attn": attn, "store": store}
     folder = ResultsFolder(out, VALIDATE_CLAIM, config, held="validate run with other settings", dtype=dtype)
     folder.check()  # before loading
+    ex = executor_for(ctx, executor, workers, ray_address, gpus_per_worker, threads_per_worker, retries)
     lm = load_with_status(model, dtype, device, attn=attn, allow_failed_toy=allow_failed_toy, device_map=device_map)
     check_composable(lm)
     folder.claim(lm)  # its queries come from the seed, a claim setting; the model from its content
     start = time.perf_counter()
-    with progress_bar() as bar:
+    with ex, progress_bar() as bar:
         pre = bar.add_task("precompiling skills", total=None)
         task = bar.add_task(f"composing {n} queries x {len(seam_list)} seams x 2", total=n)
         df = run_compose(lm, n=n, seed=seed, seams=seam_list, block_tokens=tuple(bt), n_blocks=tuple(nb),
                          form=form, store_dir=out / "blocks" if store else None, model_name=model,
                          parts=folder.parts("compose"), on_query=lambda: bar.advance(task),
-                         on_precompile=lambda i, total: bar.update(pre, completed=i, total=total))
+                         on_precompile=lambda i, total: bar.update(pre, completed=i, total=total), executor=ex)
     path = atomic_write_parquet(df, out / COMPOSE)
     summary = summarize_compose(df)
     folder.write(COMPOSE_MANIFEST, folder.manifest(
         lm, **version_entry(COMPOSE_MANIFEST), command="validate", n=n, seed=seed, seams=seam_list, gated_seam=seam,
         threshold=threshold, block_tokens=bt, n_blocks=nb, form=form, attn=attn, wall_s=time.perf_counter() - start,
-        summary=summary.to_dict("records")))
+        summary=summary.to_dict("records"), executor=ex.describe()))
     table = Table(title=f"composed vs full recompute: {model} ({df.query_id.nunique()} queries, "
                         f"{int(df.context_tokens.median())} median context tokens)")
     for col in ("re-rotate", "seam s", "n", "agreement [95% CI]", "top-1", "cosine [95% CI]", "KL", "ms"):

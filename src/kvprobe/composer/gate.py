@@ -16,6 +16,7 @@ from kvprobe.composer.store import SUFFIX, load_block, save_block
 from kvprobe.datasets.skills import generate_compose, segments
 from kvprobe.datasets.spans import option_ids
 from kvprobe.errors import KvprobeError, UsageError
+from kvprobe.executor import Context, Serial
 from kvprobe.kv.readout import option_scores
 from kvprobe.metrics import compare, mean_ci, proportion
 
@@ -44,7 +45,7 @@ def run_compose(lm, n: int = 50, seed: int = 0, seams: Sequence[int] = SEAMS,
                 block_tokens: tuple[int, int] = (200, 400), n_blocks: tuple[int, int] = (1, 4),
                 rerotate: Sequence[bool] = (True, False), form: str = "auto", store_dir=None,
                 model_name: str | None = None, on_query: Callable[[], None] | None = None,
-                on_precompile: Callable[[int, int], None] | None = None, parts=None):
+                on_precompile: Callable[[int, int], None] | None = None, parts=None, executor=None):
     """Compose the composition dataset's skills and compare with full recompute.
 
     One row per (query, seam, rerotate): decision agreement with the oracle (over the options),
@@ -53,7 +54,8 @@ def run_compose(lm, n: int = 50, seed: int = 0, seams: Sequence[int] = SEAMS,
     store (saved, then loaded back and verified), as a deployment would use them.
     With ``parts`` (a :class:`kvprobe.results.CaseStore`) each finished query is saved as it ends
     and skipped on a rerun, and a skill already in ``store_dir`` is loaded, not recomputed, so an
-    interrupted run resumes where it stopped.
+    interrupted run resumes where it stopped. ``executor`` (:mod:`kvprobe.executor`; serial by
+    default) composes the queries: the blocks are precompiled here, once, and travel to its workers.
     Returns a pandas DataFrame with :data:`COLUMNS`.
     """
     check_composable(lm)
@@ -77,7 +79,8 @@ def run_compose(lm, n: int = 50, seed: int = 0, seams: Sequence[int] = SEAMS,
         if on_query:
             on_query()
 
-    def compose_query(q) -> pd.DataFrame:
+    def compose_query(ctx, q) -> pd.DataFrame:
+        lm = ctx.lm
         rows = []
         qs = segs.queries[q.query_id]
         pieces = [qs.lead, *(blocks[s] for s in q.skills), qs.query]
@@ -108,13 +111,8 @@ def run_compose(lm, n: int = 50, seed: int = 0, seams: Sequence[int] = SEAMS,
                 })
         return pd.DataFrame(rows, columns=list(COLUMNS))
 
-    if parts is not None:  # the resume loop: each query's part saved as it ends
-        frames.append(parts.map([(q.query_id, q) for q in todo], compose_query, on_query or (lambda: None)))
-    else:
-        for q in todo:
-            frames.append(compose_query(q))
-            if on_query:
-                on_query()
+    frames.append((executor or Serial()).map(parts, [(q.query_id, q) for q in todo], compose_query, Context(lm),
+                                             on_query or (lambda: None)))  # parts: each query saved as it ends
     frames = [f for f in frames if len(f)]
     if not frames:
         return pd.DataFrame(columns=list(COLUMNS))

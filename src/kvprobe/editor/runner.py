@@ -13,6 +13,7 @@ import pandas as pd
 
 from kvprobe.datasets import AlignedCase, EditCase, Skip, align, require_answers
 from kvprobe.errors import KvprobeError
+from kvprobe.executor import Context, Serial
 from kvprobe.editor.context import make_context
 from kvprobe.editor.score import Reference, error_row, score_row
 from kvprobe.editor.strategies import Selective, Strategy, apply, apply_selective_many, parse_strategy
@@ -121,11 +122,13 @@ def align_all(lm, cases: Sequence[EditCase], form: str = "auto", cot: bool = Fal
 
 def run_edits(lm, cases: Sequence[EditCase], strategies: Sequence[Strategy | str], cot: Sequence[int] = (0,),
               form: str = "auto", min_flip: float = DEFAULT_MIN_FLIP, ranking=None, seed: int = 0,
-              model_name: str = "", store=None, on_case: Callable[[], None] = lambda: None
+              model_name: str = "", store=None, on_case: Callable[[], None] = lambda: None, executor=None
               ) -> tuple[pd.DataFrame, list[Skip]]:
     """All strategies x CoT settings over the cases; finished cases are kept in ``store`` (resume).
     ``strategies`` are typed (taken as they are; ``RunConfig.edit_strategies()``) or spec strings
-    (parsed here). Every case needs its expected answers (the rows say whether it is valid)."""
+    (parsed here). Every case needs its expected answers (the rows say whether it is valid).
+    ``executor`` (:mod:`kvprobe.executor`; serial by default) computes the cases."""
+    executor, ctx = executor or Serial(), Context(lm)
     require_answers(cases, "run_edits")
     parsed = [s if isinstance(s, Strategy) else parse_strategy(s) for s in strategies]
     frames, skipped = [], []
@@ -134,14 +137,9 @@ def run_edits(lm, cases: Sequence[EditCase], strategies: Sequence[Strategy | str
         skipped += skips
         items = [(f"{a.case.case_id}.cot{cot_tokens}", a) for a in aligned]
 
-        def one(a, cot_tokens=cot_tokens):
-            return edit_case(lm, a, parsed, cot_tokens, min_flip, ranking, seed, model_name)
+        def one(ctx, a, cot_tokens=cot_tokens):
+            return edit_case(ctx.lm, a, parsed, cot_tokens, min_flip, ranking, seed, model_name)
 
-        if store is not None:  # a kvprobe.results.CaseStore: the resume loop
-            done = store.map(items, one, on_case)
-            frames += [done] if len(done) else []
-            continue
-        for _, a in items:
-            frames.append(one(a))
-            on_case()
+        done = executor.map(store, items, one, ctx, on_case)  # store: a kvprobe.results.CaseStore (resume), or None
+        frames += [done] if len(done) else []
     return (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()), skipped

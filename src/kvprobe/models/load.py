@@ -77,6 +77,7 @@ class ModelInfo:
     rope_check_error: float | None = None  # max |re-rotated - recomputed| key error at load
     rope_unsupported: str | None = None  # why this model's keys cannot be re-rotated, if so
     _weights_hash: str | None = field(default=None, repr=False)
+    _load_args: dict | None = field(default=None, repr=False)  # load_model's arguments: how another process loads it
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
@@ -292,7 +293,20 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu", progress=
     ``attn`` is the attention implementation: "eager" (default; probes read attention weights and
     every path computes identically) or "sdpa" (faster on long contexts, used by benchmarks).
     A toy folder whose manifest records a held-out failure is refused unless ``allow_failed_toy``.
+    The arguments are kept (``info._load_args``, a path made absolute) so that another process, a
+    Ray worker (kvprobe.executor), loads the same model.
     """
+    lm = _load_model(spec, dtype, device, progress, attn, allow_failed_toy, device_map)
+    named = spec in tiny_names() or (spec.startswith("toy-") and spec[4:] in toy_families())
+    where = spec if named or not Path(spec).expanduser().exists() else str(Path(spec).expanduser().resolve())
+    lm.info._load_args = {"spec": where, "dtype": dtype, "device": device, "attn": attn,
+                          "allow_failed_toy": allow_failed_toy, "device_map": device_map}
+    return lm
+
+
+def _load_model(spec: str, dtype: str, device: str, progress, attn: str, allow_failed_toy: bool,
+                device_map: str | None) -> LoadedModel:
+    """:func:`load_model`, without recording its arguments."""
     if not isinstance(spec, str) or not spec.strip():
         what = "empty" if isinstance(spec, str) else f"a {type(spec).__name__}, not text"
         raise UsageError(f"the model spec is {what}; give a bundled alias, tiny-<family>, toy-<family>, a .gguf "

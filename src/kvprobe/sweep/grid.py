@@ -36,6 +36,7 @@ from kvprobe.defaults import (
 from kvprobe.editor.auto import check_policies
 from kvprobe.editor.strategies import Strategy, parse_strategy
 from kvprobe.errors import CheckFailed
+from kvprobe.executor import Context, Serial
 from kvprobe.config import precheck_cases
 from kvprobe.results import (SWEEP, SWEEP_CLAIM, SWEEP_MANIFEST, SWEEP_SUMMARY, ResultsFolder, atomic_write_parquet,
                              version_entry)
@@ -147,10 +148,14 @@ def sweep_folder(cfg: SweepConfig, out: Path | str) -> ResultsFolder:
     return ResultsFolder(out, SWEEP_CLAIM, cfg.settings(), held="sweep with other settings")
 
 
-def run_sweep(cfg: SweepConfig, lm, out: Path | str, progress: Callable[[str, int], Callable[[], None]] | None = None
-              ) -> dict:
+def run_sweep(cfg: SweepConfig, lm, out: Path | str, progress: Callable[[str, int], Callable[[], None]] | None = None,
+              executor=None) -> dict:
     """Every cell of ``cfg`` into ``out``; a case measured by an earlier, interrupted invocation is read
-    from its part, not redone. Returns the manifest."""
+    from its part, not redone. ``executor`` (:mod:`kvprobe.executor`; serial by default) measures
+    the cases; a cell that stops at ``cfg.valid`` stops at the same case either way (results are
+    read in the cell's order). Returns the manifest."""
+    executor = executor or Serial()
+    ctx = Context(lm)
     out = Path(out)
     progress = progress or (lambda name, total: (lambda: None))
     strategies = cfg.edit_strategies()
@@ -172,12 +177,16 @@ def run_sweep(cfg: SweepConfig, lm, out: Path | str, progress: Callable[[str, in
     folder.claim(lm, {f"{cell['cell']}/{a.case.case_id}": a.case for cell, aligned, _ in prepared for a in aligned})
     frames, record = [], {}
     t_start = time.perf_counter()
+    min_flip, derive = cfg.min_flip, not cfg.time_all
+
+    def measure(ctx, a) -> pd.DataFrame:
+        return measure_case(ctx.lm, a, strategies, min_flip, derive=derive)
+
     for cell, aligned, skipped in prepared:
         tick = progress(cell["cell"], cfg.valid or len(aligned))
         rows, n_valid, resumed = [], 0, 0
         todo = ((a.case.case_id, a) for a in aligned)
-        for _, df, was_done in folder.parts(f"cells/{cell['cell']}").each(
-                todo, lambda a: measure_case(lm, a, strategies, cfg.min_flip, derive=not cfg.time_all)):
+        for _, df, was_done in executor.each(folder.parts(f"cells/{cell['cell']}"), todo, measure, ctx):
             resumed += was_done
             rows.append(df)
             is_valid = bool(df.valid.iloc[0]) and not bool(df.control.iloc[0])
@@ -208,7 +217,8 @@ def run_sweep(cfg: SweepConfig, lm, out: Path | str, progress: Callable[[str, in
     manifest = folder.manifest(
         lm, **version_entry(SWEEP_MANIFEST), config=cfg.model_dump(), cells=record,
         cell_verdicts=dict(zip(verdicts.cell, verdicts.verdict)), layout_verdicts=layout_verdicts(verdicts),
-        verdict_rule=RULE, wall_s={"cells": round(sum(c["wall_s"] for c in record.values()), 1),
-                                   "this_invocation": round(time.perf_counter() - t_start, 1)})
+        verdict_rule=RULE, executor=executor.describe(),
+        wall_s={"cells": round(sum(c["wall_s"] for c in record.values()), 1),
+                "this_invocation": round(time.perf_counter() - t_start, 1)})
     folder.write(SWEEP_MANIFEST, manifest)
     return manifest
