@@ -246,6 +246,9 @@ def prepare(s: Path, say) -> None:
     (s / "old-topk.yaml").write_text("schema_version: 1\nmodel: {}\nk_star: null\n")
     _prepare_options(s)
     _prepare_schemas(s)
+    # --executor ray where Ray is not installed: a stand-in package that fails to import, first on PYTHONPATH
+    (s / "no-ray" / "ray").mkdir(parents=True)
+    (s / "no-ray" / "ray" / "__init__.py").write_text('raise ImportError("No module named \'ray\' (stand-in)")\n')
 
 
 def _prepare_options(s: Path) -> None:
@@ -587,6 +590,20 @@ def inputs(s: Path) -> list[Bad]:
         *[Bad(args, f"`kvprobe {' '.join(args)}` with KVPROBE_HOME a folder that cannot be written (/proc)", 4,
               quote="KVPROBE_HOME", env={"KVPROBE_HOME": "/proc"})
           for args in (["models", "fetch", "smollm2-135m"], ["toy", "train", "--family", "qwen2"])],
+        # --executor ray (issue 35): refused before the model is loaded or the folder claimed
+        *[Bad(["edit", "--model", "toy-qwen2", "--n", "2", "--strategies", "stale", "--out", "ray-out", *extra], what,
+              code, quote=quote, env=env)
+          for extra, what, code, quote, env in (
+              (["--executor", "ray", "--workers", "0"], "--workers 0", 2, "--workers", None),
+              (["--workers", "3"], "a Ray option with --executor serial", 2, "--workers", None),
+              (["--executor", "ray", "--ray-address", "127.0.0.1:1"], "a --ray-address nothing answers at", 4,
+               "127.0.0.1:1", None),
+              (["--executor", "ray", "--ray-address", "nonsense"], "a --ray-address that is not HOST:PORT", 2,
+               "nonsense", None),
+              (["--executor", "ray", "--gpus-per-worker", "1"], "--gpus-per-worker 1 where no node has a GPU", 4,
+               "1 GPU(s)", None),
+              (["--executor", "ray"], "--executor ray where Ray is not installed", 4, "kvprobe[ray]",
+               {"PYTHONPATH": "no-ray"}))],
     ]
 
 

@@ -21,8 +21,9 @@ Ray (:class:`RayExecutor`):
   item is sent again at most ``retries`` times, and up to ``retries`` replacement workers are
   started; with no worker left the run stops with one line, and the same command resumes;
 - a cluster with no node that can hold one worker (``--gpus-per-worker`` where no GPU is), an
-  address that does not answer, or workers that do not start within ``start_timeout`` seconds is
-  one line (exit 4), never a hang.
+  address that does not answer, or workers that do not start within ``start_timeout`` seconds
+  (``KVPROBE_RAY_START_S``, 600 by default: a large model takes minutes to load) is one line
+  (exit 4), never a hang.
 """
 
 from __future__ import annotations
@@ -121,6 +122,23 @@ class Serial:
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
+START_TIMEOUT_S = 600.0  # workers that have not loaded the model by then: one line, never a hang
+
+
+def start_timeout_s() -> float:
+    """Seconds the workers have to start and load the model: ``KVPROBE_RAY_START_S`` or 600."""
+    raw = os.environ.get("KVPROBE_RAY_START_S")
+    if raw is None:
+        return START_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise UsageError(f"KVPROBE_RAY_START_S={raw!r}: give the seconds the Ray workers have to start, a number > 0")
+    return value
+
+
 def require_ray():
     """The ``ray`` module, or one line saying how to install it (exit 4)."""
     try:
@@ -196,15 +214,17 @@ class RayExecutor:
 
     ``address``: a running cluster (``HOST:PORT``, ``ray://HOST:PORT`` or ``auto``); None starts a
     local Ray on 127.0.0.1 for this command and stops it at :meth:`close`. ``threads_per_worker``
-    is each actor's CPUs (and its torch threads), ``gpus_per_worker`` its GPUs (then give
-    ``--device cuda``). Use it as a context manager, or call :meth:`close`.
+    is each actor's CPUs (and its torch threads), ``gpus_per_worker`` its GPUs: a worker given GPUs
+    loads the model on ``cuda`` (Ray sets its ``CUDA_VISIBLE_DEVICES``) where the driver's is on the
+    cpu, so the driver can run on a node without one. Use it as a context manager, or call
+    :meth:`close`.
     """
 
     name = "ray"
 
     def __init__(self, workers: int = 2, address: str | None = None, gpus_per_worker: float = 0.0,
                  threads_per_worker: int = 1, retries: int = 2, lookahead: int | None = None, chunk: int = 1,
-                 start_timeout: float = 300.0, say: Callable[[str], None] = lambda message: None):
+                 start_timeout: float | None = None, say: Callable[[str], None] = lambda message: None):
         if workers < 1:
             raise UsageError(f"--workers must be at least 1, got {workers}")
         if threads_per_worker < 1:
@@ -213,13 +233,13 @@ class RayExecutor:
             raise UsageError(f"--gpus-per-worker must be 0 or more, got {gpus_per_worker:g}")
         if retries < 0 or chunk < 1:
             raise UsageError(f"retries must be >= 0 and chunk >= 1, got {retries} and {chunk}")
+        self._ray = require_ray()
         if address is not None:
             check_address(address)
-        self._ray = require_ray()
         self.workers, self.address = workers, address
         self.gpus, self.threads, self.retries, self.chunk = gpus_per_worker, threads_per_worker, retries, chunk
         self.lookahead = lookahead if lookahead is not None else INFLIGHT * chunk * workers
-        self.start_timeout = start_timeout
+        self.start_timeout = start_timeout if start_timeout is not None else start_timeout_s()
         self.say = say  # one line on starting the workers and on losing one
         self.wasted = 0  # items computed past the point where a command stopped reading
         self.computed = 0  # items computed by the workers
@@ -295,8 +315,6 @@ class RayExecutor:
             f"or --gpus-per-worker, or add a node that has them")
 
     def _spawn(self, n: int) -> list:
-        from kvprobe.results import MODEL_KEYS  # noqa: F401  (imported where the worker needs it)
-
         env = {k: v for k, v in os.environ.items() if k.startswith("KVPROBE_") or k in ENV_FORWARDED}
         cls = self._ray.remote(_Worker).options(num_cpus=self.threads, num_gpus=self.gpus, max_restarts=0,
                                                 runtime_env={"env_vars": env} if env else None)
@@ -336,6 +354,8 @@ class RayExecutor:
                              "built in this process cannot be loaded again by the workers")
         fp = lm.fingerprint()
         model = {k: fp[k] for k in MODEL_KEYS}
+        if self.gpus and args.get("device", "cpu") == "cpu" and not args.get("device_map"):
+            args = {**args, "device": "cuda"}  # a worker given GPUs computes on them; the driver stays where it is
         if self._actors and (args, model) == (self._load_args, self._model):
             return
         self.close_workers()
@@ -409,7 +429,10 @@ class RayExecutor:
             self.wasted += sum(e.df is not None and not e.resumed for e in window)
             for ref, (_, batch) in flying.items():
                 self.wasted += len(batch)
-                ray.cancel(ref)
+                try:
+                    ray.cancel(ref)  # a queued task does not run; a running one finishes, unread
+                except Exception:  # noqa: BLE001 - its worker is gone, or the task is done
+                    pass
 
     def _lose(self, actor, batch: list[_Entry], load: dict) -> None:
         """A worker died: its items go back to the queue (each at most ``retries`` more times), and a

@@ -263,9 +263,10 @@ def _sized_validity(cfg: RunConfig, sel: Selection, folder: ResultsFolder, check
             if got[bool(a.case.control)] < want[bool(a.case.control)]:
                 yield key, a
 
-    for key, df, _ in executor.each(folder.parts("validity"), wanted(), check, ctx, times):
+    for key, df, resumed in executor.each(folder.parts("validity"), wanted(), check, ctx, times):
         control = bool(sel.aligned[key].case.control)
         if got[control] >= want[control]:
+            executor.wasted += not resumed  # drawn ahead while its side still needed cases (never serially)
             if got[not control] >= want[not control]:
                 break
             continue

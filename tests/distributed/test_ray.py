@@ -136,7 +136,8 @@ def test_edit_and_sweep_on_two_workers_give_the_serial_tables(local_ray, tmp_pat
         for cell, info in manifests["serial"]["cells"].items():
             assert manifests["ray"]["cells"][cell]["screened"] == info["screened"]
         assert manifests["ray"]["executor"]["executor"] == "ray"
-        assert manifests["ray"]["executor"]["computed"] >= sum(c["screened"] for c in manifests["ray"]["cells"].values())
+        screened = sum(c["screened"] for c in manifests["ray"]["cells"].values())
+        assert manifests["ray"]["executor"]["computed"] >= screened
 
 
 def test_calibrate_on_two_workers_uses_the_serial_pairs_and_gives_its_policy(local_ray):
@@ -155,6 +156,25 @@ def test_calibrate_on_two_workers_uses_the_serial_pairs_and_gives_its_policy(loc
     assert serial.wasted == 0 and par.wasted >= 0
     assert {f: (p["repair"], p["verdict"]) for f, p in serial.policy["fields"].items()} == \
         {f: (p["repair"], p["verdict"]) for f, p in par.policy["fields"].items()}
+
+
+def test_a_sized_run_on_ray_checks_the_serial_cases(local_ray, tmp_path):
+    """A sized run (no --n: cases checked in order until each leg's target is met) stops at the same
+    case on two workers; what they computed past it is counted as waste, not used."""
+    from kvprobe.config import RunConfig
+    from kvprobe.pipeline import run
+
+    lm = tiny_model("toy-qwen2")
+    cfg = RunConfig(model="toy-qwen2", budget=40, threshold=0.6, probes=["locality"],
+                    strategies=["stale", "field_only", "oracle"])
+    assert cfg.sizing() is not None
+    serial = run(cfg, tmp_path / "serial", lm=lm)
+    with RayExecutor(workers=2) as ex:
+        par = run(cfg, tmp_path / "ray", lm=lm, executor=ex)
+    assert serial["sizing"]["stopped"] == "targets reached" and serial["sizing"] == par["sizing"]
+    same_tables(tmp_path / "serial", tmp_path / "ray")
+    extra = len(list((tmp_path / "ray" / "parts" / "validity").glob("*.parquet"))) - serial["sizing"]["checked"]
+    assert par["executor"]["wasted"] >= extra >= 0, par["executor"]
 
 
 def test_run_on_ray_gives_the_serial_tables(tmp_path):

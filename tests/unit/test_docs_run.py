@@ -161,6 +161,8 @@ class Parse:
 SMALL_RUN = {"--n": RUN_N}
 TINY_SWEEP = {"--n": "1", "--valid": "1", "--filler-tokens": "0"}
 SLOW_SWEEP = "a sweep of 2-9 cells x 40-90 cases screened each on a real model: an hour or more on 2 cores"
+CLUSTER = "a Ray cluster of several machines: tests/distributed/test_ray.py runs a local one"
+SLURM = "a Slurm job on GPU nodes"
 VLLM = "needs vLLM's CPU build (3.4 GB, `kvprobe serve setup`) and a server: tests/serving/test_vllm.py runs it"
 CALIBRATE_REAL = ("calibrating the 1.5B takes 10-20 min; toy-qwen2's tokenizer does not cover the template (26 of 104 "
                   "tokens [UNK], refused), so smollm2-135m with 2 pairs a field: the whole loop runs and ends in "
@@ -229,6 +231,24 @@ PLAN: dict[str, Run | Swap | Parse] = {
     # docs/calibrate.md
     # (kvprobe calibrate examples/calibrate-toy.yaml runs as written: with fewer pairs no field reaches a verdict;
     # its qwen2.5-1.5b command is the README's)
+    # docs/distributed.md
+    "pip install 'kvprobe[ray]'": Parse("installs the extra; the test extra installed it here"),
+    "kvprobe run --model toy-qwen2 --n 12 --executor ray --workers 2 --out results/ray-toy":
+        Swap("a local Ray and two workers (10 s of start-up); 4 cases", set=SMALL_RUN),
+    "kvprobe run --model toy-qwen2 --n 8 --no-report --out results/serial-toy": Swap("4 cases", set=SMALL_RUN),
+    "kvprobe run --model toy-qwen2 --n 8 --no-report --out results/ray-toy2 --executor ray --workers 2":
+        Swap("4 cases, as the serial run above", set=SMALL_RUN),
+    "python scripts/compare_runs.py results/serial-toy results/ray-toy2 --atol 1e-4":
+        Run("the two runs above: exits 1 if a table differs"),
+    "ray start --head --port 6379": Parse(CLUSTER),
+    "ray start --address HEAD_IP:6379": Parse(CLUSTER),
+    "kvprobe calibrate examples/calibrate-refund.yaml --model qwen2.5-1.5b --executor ray --ray-address HEAD_IP:6379 "
+    "--workers 8 --threads-per-worker 4": Parse(CLUSTER),
+    'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)': Parse(SLURM),
+    'srun --nodes=1 --ntasks=1 -w "$head" ray start --head --port 6379 --block &': Parse(SLURM),
+    'srun --nodes=3 --ntasks=3 --exclude "$head" ray start --address "$head:6379" --block &': Parse(SLURM),
+    'kvprobe run --model qwen2.5-1.5b --n 400 --executor ray --ray-address "$head:6379" --workers 16 '
+    '--gpus-per-worker 1 --threads-per-worker 4 --out results/qwen2.5-1.5b-cluster': Parse(SLURM),
     # docs/edits.md
     "kvprobe run --model qwen2.5-0.5b --n 1000 --probes locality,attention --cot 0,48 --max-controls 12 "
     "--out results/qwen2.5-0.5b": Swap("1000 cases of the 0.5B: hours", model="toy-qwen2", set=SMALL_RUN),
@@ -401,7 +421,7 @@ def table() -> list[tuple[Block, str, str, str]]:
 
 
 # Counted by hand from the docs: a new block or command changes them, and the table says where.
-EXPECTED = {"ran as written": 24, "swapped": 32, "parsed only": 21, "delegated": 3, "not a command": 7}
+EXPECTED = {"ran as written": 25, "swapped": 35, "parsed only": 29, "delegated": 3, "not a command": 7}
 
 
 def test_every_block_is_classified_and_counted():

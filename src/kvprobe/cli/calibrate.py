@@ -76,6 +76,10 @@ def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calib
                                            fields={f.name: {"pairs": f.pairs, "skipped": f.skipped,
                                                             "seconds": round(f.seconds, 1)} for f in cal.fields}))
     print_table(cal, model, threshold)
+    if cal.wasted:
+        console.print(f"{executor}: {cal.wasted} pair(s) measured past a field's stopping point were not counted "
+                      f"(the rule reads pairs in the order drawn, as a serial run; their parts are kept)",
+                      highlight=False, markup=False)
     console.print(f"wrote {policy_path} (use it: --policy / EditableContext(policy=...) / auto:{policy_path})")
     open_fields = [f.name for f in cal.fields if f.verdict == "budget"]
     if open_fields:

@@ -138,8 +138,8 @@ Executor = Annotated[str, typer.Option("--executor", callback=_executor, help="w
 Workers = Annotated[int, typer.Option(min=1, help="with --executor ray: how many workers (actors)")]
 RayAddress = Annotated[str | None, typer.Option(show_default="a local Ray on 127.0.0.1", help="with --executor ray: "
                                                 "a running cluster, HOST:PORT, ray://HOST:PORT or auto")]
-GpusPerWorker = Annotated[float, typer.Option(min=0.0, help="with --executor ray: GPUs per worker (with --device "
-                                                            "cuda)")]
+GpusPerWorker = Annotated[float, typer.Option(min=0.0, help="with --executor ray: GPUs per worker (each then "
+                                                            "computes on cuda)")]
 ThreadsPerWorker = Annotated[int, typer.Option(min=1, help="with --executor ray: CPUs (torch threads) per worker")]
 Retries = Annotated[int, typer.Option(min=0, help="with --executor ray: times an item is sent again after its worker "
                                                   "died, and workers replaced")]
