@@ -68,7 +68,9 @@ class FamilySuite:
             k = getattr(attn, a.family.k_norm)(k)
         k = k.transpose(1, 2)  # (B, H_kv, T, D)
         cos, sin = seen["pe"]
-        _, k_rot = apply_rotary_pos_emb(k, k, cos, sin)
+        rot = cos.shape[-1]  # partial RoPE (StableLM): only the first dims rotate, the rest pass through
+        _, k_rot = apply_rotary_pos_emb(k[..., :rot], k[..., :rot], cos, sin)
+        k_rot = torch.cat([k_rot, k[..., rot:]], dim=-1)
         keys, _ = kvcache.get_kv(cache, 0)
         torch.testing.assert_close(keys, k_rot, atol=1e-5, rtol=0)
         assert not torch.allclose(keys, k, atol=1e-3)  # the rotation did something

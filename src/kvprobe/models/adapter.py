@@ -161,12 +161,25 @@ def families() -> dict[str, Family]:
     return out
 
 
+# Model types whose attention or position scheme kvprobe has no verified path for, and what it is:
+# named in the refusal, so that a user knows it is the scheme, not a missing data file.
+UNSUPPORTED_SCHEMES = {
+    **dict.fromkeys(("bloom", "mpt", "falcon", "baichuan"), "ALiBi position biases, with no rotary keys to re-rotate"),
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2"),
+                    "multi-head latent attention (MLA), a compressed KV with a decoupled, interleaved RoPE part"),
+    **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"),
+                    "M-RoPE (three-axis positions) with image blocks"),
+}
+
+
 def family_for_model_type(model_type: str) -> Family:
     for fam in families().values():
         if model_type in fam.model_types:
             return fam
     supported = sorted(t for f in families().values() for t in f.model_types)
-    raise KvprobeError(f"unsupported architecture {model_type!r}; supported model types: {', '.join(supported)}")
+    why = f": {UNSUPPORTED_SCHEMES[model_type]}, which kvprobe has no verified cache edit or re-rotation for" \
+        if model_type in UNSUPPORTED_SCHEMES else ""
+    raise KvprobeError(f"unsupported architecture {model_type!r}{why}; supported model types: {', '.join(supported)}")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,10 @@ TINY_VARIANTS: dict[str, tuple[str, dict]] = {
     "tiny-llama3": ("llama", {"rope_parameters": {
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    # YaRN: NTK-by-parts frequencies and an attention factor (mscale) on cos and sin, which a
+    # re-rotation must not apply again (kvprobe.models.rope)
+    "tiny-llama-yarn": ("llama", {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 256}}),
 }
 
 

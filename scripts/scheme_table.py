@@ -1,0 +1,154 @@
+"""Per attention and position scheme: three repairs against a fresh prefill, and one made wrong on purpose.
+
+    .venv/bin/python scripts/scheme_table.py [--doc docs/architectures.md]
+
+For every tiny model (each family's data file and the variants: kvprobe.models.tiny_names), the
+largest absolute difference of the decision logits (whole vocabulary) against a fresh prefill of
+the same prompt, for
+
+- **edit**: a field edit recomputed downstream (``selective:N:recency`` over every downstream
+  position of a generated case) against the oracle's full prefill of the new prompt;
+- **moved**: a block whose jointly computed KV was taken from a prefill 128 positions later,
+  re-rotated back by -128 and spliced, against the full prefill of the whole prompt;
+- **seam**: two blocks precompiled on their own, spliced behind a lead and repaired over the
+  whole of each block (the seam), against the full prefill;
+- **plain RoPE**: *moved*, re-rotated with plain RoPE instead of the model's own (every head dim
+  rotated, base theta, no scaling): the re-rotation made wrong on purpose. It equals *moved* where
+  the model's RoPE is plain, and must be far off where it is not (partial, llama3, YaRN).
+
+Prints the table and, with ``--doc``, writes it between the markers of that page.
+tests/families/test_schemes.py asserts every *edit*, *moved* and *seam* within the tolerance the
+family tests use, and every non-plain scheme's *plain RoPE* far outside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIFT = 128  # positions a block is moved by
+TOL_EDIT, TOL_MOVED, TOL_SEAM = 1e-5, 1e-4, 1e-5  # tests/families and tests/kv/test_compose.py's tolerances
+BEGIN, END = "<!-- scheme table: begin -->", "<!-- scheme table: end -->"
+
+
+def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def scheme(lm) -> str:
+    """The model's position scheme in words: rotary dims, RoPE type, per-layer bases, MoE."""
+    from kvprobe.models import rope
+
+    a = lm.adapter
+    params = a.rope_parameters(0)
+    rot = 2 * rope.inv_freq(a, 0).numel()
+    parts = [f"RoPE {params['rope_type']}", f"{rot}/{a.head_dim} dims rotate" if rot < a.head_dim else "all dims"]
+    if "local_theta" in a.family.rope:
+        parts.append("two bases")
+    if a.window:
+        parts.append(f"window {a.window}")
+    if getattr(a.config, "num_experts", None) or getattr(a.config, "num_local_experts", None):
+        parts.append("mixture of experts")
+    return ", ".join(parts)
+
+
+@contextlib.contextmanager
+def plain_rope(lm):
+    """Re-rotation with plain RoPE: 1/theta^(2i/D) over every head dim, no scaling (wrong on purpose
+    wherever the model's RoPE is partial or scaled)."""
+    from kvprobe.models import rope
+
+    real = rope.inv_freq
+
+    def plain(adapter, layer, device=None):
+        theta = float(adapter.rope_parameters(layer)["rope_theta"])
+        d = adapter.head_dim
+        return 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d)
+
+    rope.inv_freq = plain
+    try:
+        yield
+    finally:
+        rope.inv_freq = real
+
+
+def _layout(lm, seed: int = 0) -> list[list[int]]:
+    """(preamble, lead, block1, block2, query) random ids, blocks longer than the tiny window (16)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, len(lm.tokenizer), (81,), generator=gen).tolist()
+    cuts = [0, 5, 12, 52, 75, 81]
+    return [ids[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+def _moved(lm) -> float:
+    from kvprobe import composer
+    from kvprobe.kv import cache as kvcache
+
+    pre, lead, b1, b2, q = _layout(lm, seed=1)
+    ids = pre + lead + b1 + b2 + q
+    p = len(pre + lead)
+    _, shifted = kvcache.prefill(lm.model, torch.tensor(ids), start=SHIFT)
+    block = composer.block_from_cache(lm, shifted, b1, p)
+    block.start = p + SHIFT  # its entries were computed at positions p + SHIFT ..
+    c = composer.compose(lm, [pre + lead, block, b2 + q])
+    return _maxdiff(c.logits, composer.oracle_logits(lm, ids))
+
+
+def checks(lm) -> dict:
+    """The four numbers of one model (see the module docstring)."""
+    from kvprobe import composer, editor
+    from kvprobe.datasets import align, generate
+
+    torch.set_grad_enabled(False)
+    a = align(generate(4, seed=11)[1], lm.tokenizer, "raw")
+    ctx = editor.make_context(lm, a)
+    oracle = editor.decide(lm, editor.apply(ctx, "oracle"))[0]
+    n_down = a.downstream[1] - a.downstream[0]
+    edit = _maxdiff(editor.decide(lm, editor.apply(ctx, f"selective:{n_down}:recency"))[0], oracle)
+    moved = _moved(lm)
+    with plain_rope(lm):
+        wrong = _moved(lm)
+    pre, lead, b1, b2, q = _layout(lm)
+    ids = pre + lead + b1 + b2 + q
+    blocks = composer.precompile(lm, b1, pre), composer.precompile(lm, b2, pre)
+    c = composer.compose(lm, [pre + lead, *blocks, q], seam=max(len(b1), len(b2)))
+    seam = _maxdiff(c.logits, composer.oracle_logits(lm, ids))
+    return {"model": lm.info.spec, "family": lm.info.family, "scheme": scheme(lm), "edit": edit, "moved": moved,
+            "seam": seam, "plain": wrong}
+
+
+def table(rows: list[dict]) -> list[str]:
+    out = [f"| model | family | scheme | edit | moved by {SHIFT} | seam | moved, plain RoPE (wrong on purpose) |",
+           "|---|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['model']} | {r['family']} | {r['scheme']} | {r['edit']:.1e} | {r['moved']:.1e} | "
+                   f"{r['seam']:.1e} | {r['plain']:.1e} |")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--doc", type=Path, help="a page with the table's markers, to write it into")
+    args = ap.parse_args()
+    from kvprobe.hardware import cpu_line
+    from kvprobe.models import load_model, tiny_names
+
+    rows = [checks(load_model(name)) for name in tiny_names()]
+    lines = table(rows)
+    print(cpu_line())
+    print("\n".join(lines))
+    if args.doc:
+        text = args.doc.read_text()
+        head, _, rest = text.partition(BEGIN)
+        _, _, tail = rest.partition(END)
+        args.doc.write_text(f"{head}{BEGIN}\n{chr(10).join(lines)}\n{END}{tail}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
