@@ -47,12 +47,16 @@ def scheme(lm) -> str:
     a = lm.adapter
     params = a.rope_parameters(0)
     rot = 2 * rope.inv_freq(a, 0).numel()
-    parts = [f"RoPE {params['rope_type']}", f"{rot}/{a.head_dim} dims rotate" if rot < a.head_dim else "all dims"]
+    room = a.rotary_room
+    parts = [f"RoPE {params['rope_type']}", f"{rot}/{room} dims rotate" if rot < room else "all dims"]
     if "local_theta" in a.family.rope:
         parts.append("two bases")
     if a.window:
         parts.append(f"window {a.window}")
-    if getattr(a.config, "num_experts", None) or getattr(a.config, "num_local_experts", None):
+    if a.family.mla:
+        (_, latent), (_, rope_dim) = a.cache_dims
+        parts.append(f"MLA: latent {latent} + rotary part {rope_dim} cached")
+    if any(getattr(a.config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
         parts.append("mixture of experts")
     return ", ".join(parts)
 
@@ -67,7 +71,7 @@ def plain_rope(lm):
 
     def plain(adapter, layer, device=None):
         theta = float(adapter.rope_parameters(layer)["rope_theta"])
-        d = adapter.head_dim
+        d = adapter.rotary_room  # every dim of the rotated slot (a head's key; MLA's rotary part)
         return 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d)
 
     rope.inv_freq = plain

@@ -25,10 +25,16 @@ class FamilySuite:
     def test_adapter_describes_model(self):
         a, m = self.lm.adapter, self.lm.model
         assert len(a.layers(m)) == a.n_layers == 2
+        assert a.lm_head(m).out_features == len(self.lm.tokenizer)
+        assert a.proj(m, 0, "o").in_features == a.n_heads * a.head_dim  # the per-head outputs the probes split
+        if a.family.mla:  # one compressed entry per position: the latent and the shared rotary key part
+            (hk, latent), (hv, rope_dim) = a.cache_dims
+            assert a.n_heads == 4 and hk == hv == 1
+            assert a.proj(m, 0, "k").out_features == latent + rope_dim
+            return
         assert a.n_heads == 4 and a.n_kv_heads == 2
         assert a.proj(m, 0, "k").out_features == a.n_kv_heads * a.head_dim
         assert a.proj(m, 0, "q").out_features == a.n_heads * a.head_dim
-        assert a.lm_head(m).out_features == len(self.lm.tokenizer)
 
     def test_cached_prefix_plus_suffix_equals_full_prefill(self):
         m = self.lm.model
@@ -63,11 +69,21 @@ class FamilySuite:
         finally:
             h1.remove()
             h2.remove()
+        cos, sin = seen["pe"]
+        if a.family.mla:  # the latent, normed, unrotated; the rotary part in DeepSeek's interleaved pairs
+            from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
+
+            (_, latent), (_, rope_dim) = a.cache_dims
+            c_kv, k_pe = seen["k"].split([latent, rope_dim], dim=-1)
+            _, k_pe = apply_rotary_pos_emb_interleave(k_pe[:, None], k_pe[:, None], cos, sin)
+            keys, values = kvcache.get_kv(cache, 0)
+            torch.testing.assert_close(keys, attn.kv_a_layernorm(c_kv)[:, None], atol=1e-5, rtol=0)
+            torch.testing.assert_close(values, k_pe, atol=1e-5, rtol=0)
+            return
         k = seen["k"].view(1, 20, a.n_kv_heads, a.head_dim)
         if a.has_k_norm:
             k = getattr(attn, a.family.k_norm)(k)
         k = k.transpose(1, 2)  # (B, H_kv, T, D)
-        cos, sin = seen["pe"]
         rot = cos.shape[-1]  # partial RoPE (StableLM): only the first dims rotate, the rest pass through
         _, k_rot = apply_rotary_pos_emb(k[..., :rot], k[..., :rot], cos, sin)
         k_rot = torch.cat([k_rot, k[..., rot:]], dim=-1)
@@ -80,8 +96,9 @@ class FamilySuite:
         ids = ids_of(10, len(self.lm.tokenizer), seed=3)
         _, c0 = kvcache.prefill(m, ids, start=0)
         _, c1 = kvcache.prefill(m, ids, start=7)
-        k0, v0 = kvcache.get_kv(c0, 0)
-        k1, v1 = kvcache.get_kv(c1, 0)
+        slot = self.lm.adapter.rotated_slot  # the keys; the rotary key part (values slot) under MLA
+        k0, k1 = kvcache.get_kv(c0, 0)[slot], kvcache.get_kv(c1, 0)[slot]
+        v0, v1 = kvcache.get_kv(c0, 0)[1 - slot], kvcache.get_kv(c1, 0)[1 - slot]
         torch.testing.assert_close(v0, v1, atol=1e-6, rtol=0)
         assert (k0 - k1).abs().max() > 1e-3
 

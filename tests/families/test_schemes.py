@@ -32,7 +32,8 @@ def rows() -> dict[str, dict]:
 
 def test_the_new_schemes_are_tiny_models():
     names = tiny_names()
-    assert {"tiny-qwen3_moe", "tiny-stablelm", "tiny-llama3", "tiny-llama-yarn"} <= set(names)
+    assert {"tiny-qwen3_moe", "tiny-stablelm", "tiny-llama3", "tiny-llama-yarn", "tiny-deepseek_v3"} <= set(names)
+    assert "MLA: latent 16 + rotary part 8 cached" in scheme_table.scheme(tiny_model("tiny-deepseek_v3"))
     lm = tiny_model("tiny-qwen3_moe")
     assert lm.model.config.num_experts == 4 and "mixture of experts" in scheme_table.scheme(lm)
     assert "4/16 dims rotate" in scheme_table.scheme(tiny_model("tiny-stablelm"))
@@ -82,13 +83,13 @@ def unsupported(tmp_path_factory) -> dict[str, Path]:
     base, vocab = tmp_path_factory.mktemp("schemes"), len(word_tokenizer())
     small = {"vocab_size": vocab, "num_hidden_layers": 2, "max_position_embeddings": 512}
     return {
-        "alibi": _folder(base / "bloom", transformers.BloomConfig(vocab_size=vocab, hidden_size=32, n_layer=2, n_head=4),
-                         transformers.BloomForCausalLM),
-        "mla": _folder(base / "deepseek", transformers.DeepseekV3Config(
+        "alibi": _folder(base / "bloom", transformers.BloomConfig(vocab_size=vocab, hidden_size=32, n_layer=2,
+                                                                  n_head=4), transformers.BloomForCausalLM),
+        "mla-v2": _folder(base / "deepseek-v2", transformers.DeepseekV2Config(
             **small, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
             num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=16,
             q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1),
-            transformers.DeepseekV3ForCausalLM),
+            transformers.DeepseekV2ForCausalLM),
         "dynamic": _folder(base / "dynamic", transformers.LlamaConfig(
             **small, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
@@ -98,7 +99,7 @@ def unsupported(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("scheme, command, text", [
     ("alibi", "run", "unsupported architecture 'bloom': ALiBi position biases"),
-    ("mla", "run", "unsupported architecture 'deepseek_v3': multi-head latent attention (MLA)"),
+    ("mla-v2", "run", "unsupported architecture 'deepseek_v2': multi-head latent attention (MLA) of a variant"),
     ("dynamic", "validate", "unsupported RoPE type 'dynamic'"),
 ])
 def test_a_scheme_without_a_verified_path_is_refused_in_one_line(unsupported, tmp_path, scheme, command, text):
@@ -122,3 +123,25 @@ def test_a_block_of_another_position_scheme_is_refused(tmp_path):
     with pytest.raises(KvprobeError) as err:
         load_block(path, other)
     assert "\n" not in str(err.value)
+
+
+def test_mla_rerotating_the_latent_instead_of_the_rotary_part_fails(monkeypatch, rows):
+    """Multi-head latent attention stores its rotated key part in the values slot: a re-rotation that
+    turns the keys slot (the position-free latent), as for every other family, is far off."""
+    from kvprobe.models.adapter import Adapter
+
+    lm = tiny_model("tiny-deepseek_v3")
+    assert lm.adapter.rotated_slot == 1 and rows["tiny-deepseek_v3"]["moved"] <= scheme_table.TOL_MOVED
+    monkeypatch.setattr(Adapter, "rotated_slot", property(lambda self: 0))
+    wrong = scheme_table._moved(lm)
+    assert wrong > 10 * scheme_table.TOL_MOVED, wrong
+
+
+@pytest.mark.parametrize("model", ["tiny-deepseek_v3", "tiny-qwen3_moe"])
+def test_kvprobe_run_end_to_end_on_mla_and_moe(tmp_path, model):
+    """Every probe and strategy runs (random weights decide nothing: --all-cases, mechanics only)."""
+    out = tmp_path / "run"
+    proc = cli_process.run("run", "--model", model, "--n", "4", "--all-cases", "--no-report", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for table in ("validity", "locality", "attention", "knockout", "linear", "edits"):
+        assert (out / f"{table}.parquet").exists(), table

@@ -87,12 +87,13 @@ def test_rerotated_layer0_keys_of_a_moved_block_equal_fresh_prefill(name):
     c = composer.compose(lm, [pre + lead + b2, block, q])  # moved by len(lead + b2)
     _, fresh = kvcache.prefill(lm.model, torch.tensor(pre + lead + b2 + b1 + q))
     lo, hi = c.spans[0][:2]
-    got, want = kvcache.get_kv(c.cache, 0)[0][:, :, lo:hi], kvcache.get_kv(fresh, 0)[0][:, :, lo:hi]
+    slot = lm.adapter.rotated_slot  # the keys; the rotary key part (values slot) under MLA
+    got, want = kvcache.get_kv(c.cache, 0)[slot][:, :, lo:hi], kvcache.get_kv(fresh, 0)[slot][:, :, lo:hi]
     assert maxdiff(got, want) <= TOL
     # the control keeps the stored positions: its layer-0 keys are the precompiled ones, unmoved
     control = composer.compose(lm, [pre + lead + b2, block, q], rerotate=False)
-    assert torch.equal(kvcache.get_kv(control.cache, 0)[0][:, :, lo:hi], block.kv[0][0])
-    assert maxdiff(block.kv[0][0], want) > 100 * TOL  # so the test above can tell
+    assert torch.equal(kvcache.get_kv(control.cache, 0)[slot][:, :, lo:hi], block.kv[0][slot])
+    assert maxdiff(block.kv[0][slot], want) > 100 * TOL  # so the test above can tell
 
 
 @pytest.mark.parametrize("name", TINY)

@@ -45,10 +45,11 @@ def random_ids(seed: int = 0, length: int = T) -> torch.Tensor:
 
 
 def keys(model, ids, positions, layer: int = 0) -> torch.Tensor:
-    """Layer keys (1, H_kv, T, D) of a fresh prefill of ``ids`` at ``positions`` (T,)."""
+    """Layer keys (1, H_kv, T, D) of a fresh prefill of ``ids`` at ``positions`` (T,): the slot that
+    holds rotated keys (the rotary key part under multi-head latent attention)."""
     cache = kvcache.new_cache()
     kvcache.forward(model, ids, cache, positions=torch.as_tensor(positions))
-    return kvcache.get_kv(cache, layer)[0]
+    return rope.rotated(Adapter.for_config(model.config), kvcache.get_kv(cache, layer))
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -47,15 +47,16 @@ class Block:
     def nbytes(self) -> int:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv)
 
-    def keys_at(self, lm, position: int) -> list[torch.Tensor]:
-        """Per layer: the keys (1, H_kv, T, D) moved to start at ``position`` (memoised per shift)."""
+    def kv_at(self, lm, position: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer: (keys, values) (1, H_kv, T, D) moved to start at ``position``: the slot that
+        holds rotated keys turned (the keys; the rotary part under multi-head latent attention),
+        the other as stored (memoised per shift)."""
         delta = position - self.start
         if delta == 0:
-            return [k for k, _ in self.kv]
+            return list(self.kv)
         if delta not in self._rotated:
             self._rotated.clear()  # keep one shift only: blocks can be large
-            self._rotated[delta] = [rope.rerotate(k, delta, rope.inv_freq(lm.adapter, layer, k.device))
-                                    for layer, (k, _) in enumerate(self.kv)]
+            self._rotated[delta] = [rope.rerotate_kv(lm.adapter, layer, kv, delta) for layer, kv in enumerate(self.kv)]
         return self._rotated[delta]
 
 
@@ -96,10 +97,10 @@ def check_block(lm, block: Block) -> None:
     if len(block.kv) != lm.adapter.n_layers:
         raise KvprobeError(f"block {block.name or '(unnamed)'} has {len(block.kv)} layers, the model "
                            f"{lm.adapter.n_layers}")
-    want = (lm.adapter.n_kv_heads, lm.adapter.head_dim)
-    if any((k.shape[1], k.shape[3]) != want for k, _ in block.kv):
-        raise KvprobeError(f"block {block.name or '(unnamed)'} K/V do not have the model's {want[0]} kv heads "
-                           f"of dim {want[1]}")
+    want_k, want_v = lm.adapter.cache_dims
+    if any(((k.shape[1], k.shape[3]), (v.shape[1], v.shape[3])) != (want_k, want_v) for k, v in block.kv):
+        raise KvprobeError(f"block {block.name or '(unnamed)'} K/V do not have the model's cache shape (heads, dim: "
+                           f"keys {want_k}, values {want_v})")
     check_block_shape(block)
 
 

@@ -91,12 +91,12 @@ class Composer:
         self.logits = None
         if s < T:
             t0 = time.perf_counter()
-            keys = block.keys_at(self.lm, p) if rerotate else [k for k, _ in block.kv]  # (1, H_kv, T, D)
+            moved = block.kv_at(self.lm, p) if rerotate else list(block.kv)  # per layer (1, H_kv, T, D) x2
             t1 = time.perf_counter()
             if kvcache.n_layers(self.cache) == 0:
-                self.cache = kvcache.from_tensors([(k[:, :, s:], v[:, :, s:]) for k, (_, v) in zip(keys, block.kv)])
+                self.cache = kvcache.from_tensors([(k[:, :, s:], v[:, :, s:]) for k, v in moved])
             else:
-                for layer, (k, (_, v)) in enumerate(zip(keys, block.kv)):
+                for layer, (k, v) in enumerate(moved):
                     k0, v0 = kvcache.get_kv(self.cache, layer)  # (1, H_kv, p + s, D)
                     kvcache.set_kv(self.cache, layer, torch.cat([k0, k[:, :, s:]], 2), torch.cat([v0, v[:, :, s:]], 2))
             self.ids += block.ids[s:]
@@ -162,16 +162,17 @@ def compose_fused(lm, parts: Sequence[Part], seam: int = 0, rerotate: bool = Tru
     N = len(c.ids)
     c._room(0, "all parts")
     t0 = time.perf_counter()
-    rotated = [(b, p, s, b.keys_at(lm, p) if rerotate else [k for k, _ in b.kv]) for b, p, s in spliced]
+    rotated = [(b, p, s, b.kv_at(lm, p) if rerotate else list(b.kv)) for b, p, s in spliced]
     t1 = time.perf_counter()
-    dtype, shape = next(lm.model.parameters()).dtype, (1, lm.adapter.n_kv_heads, N, lm.adapter.head_dim)
+    dtype = next(lm.model.parameters()).dtype
+    (hk, dk), (hv, dv) = lm.adapter.cache_dims
     kv = []
     for layer in range(lm.adapter.n_layers):
-        k = torch.zeros(shape, dtype=dtype, device=lm.device)  # (1, H_kv, N, D); fresh slots filled below
-        v = torch.zeros(shape, dtype=dtype, device=lm.device)
-        for b, p, s, keys in rotated:
-            k[:, :, p + s : p + len(b)] = keys[layer][:, :, s:]
-            v[:, :, p + s : p + len(b)] = b.kv[layer][1][:, :, s:]
+        k = torch.zeros((1, hk, N, dk), dtype=dtype, device=lm.device)  # fresh slots filled below
+        v = torch.zeros((1, hv, N, dv), dtype=dtype, device=lm.device)
+        for b, p, s, moved in rotated:
+            k[:, :, p + s : p + len(b)] = moved[layer][0][:, :, s:]
+            v[:, :, p + s : p + len(b)] = moved[layer][1][:, :, s:]
         kv.append((k, v))
     c.cache = kvcache.from_tensors(kv)
     t2 = time.perf_counter()
@@ -183,7 +184,7 @@ def compose_fused(lm, parts: Sequence[Part], seam: int = 0, rerotate: bool = Tru
                            key_positions=torch.arange(N, device=lm.device), visible=visible, logits_to_keep=1)
     for layer in range(kvcache.n_layers(c.cache)):
         k, v = kvcache.get_kv(c.cache, layer)  # (1, H_kv, N + S, D)
-        k[:, :, fresh], v[:, :, fresh] = k[:, :, N:], v[:, :, N:]
+        k[:, :, fresh], v[:, :, fresh] = k[:, :, N:].clone(), v[:, :, N:].clone()  # one head (MLA): overlapping
         kvcache.set_kv(c.cache, layer, k[:, :, :N], v[:, :, :N])
     c.logits = out.logits[0, -1]
     c.timings.rerotate, c.timings.splice, c.timings.prefill = t1 - t0, t2 - t1, time.perf_counter() - t2

@@ -27,7 +27,7 @@ def recompute_positions(lm, cache: DynamicCache, ids: list[int], positions: list
                      logits_to_keep=1)
     for layer in range(kvcache.n_layers(work)):
         k, v = kvcache.get_kv(work, layer)  # (1, H_kv, n + S, D)
-        k[:, :, sel], v[:, :, sel] = k[:, :, n:], v[:, :, n:]
+        k[:, :, sel], v[:, :, sel] = k[:, :, n:].clone(), v[:, :, n:].clone()  # one head (MLA): overlapping
         kvcache.set_kv(work, layer, k[:, :, :n], v[:, :, :n])
     return work
 

@@ -51,6 +51,7 @@ class Family:
     sliding: dict | None
     tiny: dict
     toy: dict | None = None  # the toy model's config overrides (absent: no toy for this family)
+    mla: dict | None = None  # multi-head latent attention: the config keys of its cache (see _Mla)
 
 
 HINT = "see src/kvprobe/models/families/llama.yaml for the keys"
@@ -80,6 +81,16 @@ class _Rope(File):
     local_theta: Text | None = None  # a second base, for the sliding layers (Gemma-3)
 
 
+class _Mla(File):
+    """Multi-head latent attention (DeepSeek-V2/V3): what each cache slot holds. The key slot holds
+    the compressed latent (``latent``: its width's config key; one entry per position, no position
+    in it) and the value slot the decoupled rotary key part (``rope_dim``), shared by every head;
+    the per-head keys and values are expanded from them at every forward."""
+
+    latent: Text
+    rope_dim: Text
+
+
 class _Sliding(File):
     window: Text
     enabled: Text | None = None  # a config key that turns the window on (Qwen)
@@ -105,6 +116,7 @@ class FamilyFile(File):
     sliding: _Sliding | None
     tiny: dict[str, Any]
     toy: dict[str, Any] | None = None
+    mla: _Mla | None = None
 
 
 def read_family(entry) -> Family:
@@ -165,8 +177,9 @@ def families() -> dict[str, Family]:
 # named in the refusal, so that a user knows it is the scheme, not a missing data file.
 UNSUPPORTED_SCHEMES = {
     **dict.fromkeys(("bloom", "mpt", "falcon", "baichuan"), "ALiBi position biases, with no rotary keys to re-rotate"),
-    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2"),
-                    "multi-head latent attention (MLA), a compressed KV with a decoupled, interleaved RoPE part"),
+    **dict.fromkeys(("deepseek_v2", "deepseek_v32", "kimi_k2"),  # deepseek_v3's MLA is supported (its family file)
+                    "multi-head latent attention (MLA) of a variant kvprobe has not verified (V2's own code, V3.2's "
+                    "sparse attention, Kimi's)"),
     **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"),
                     "M-RoPE (three-axis positions) with image blocks"),
 }
@@ -222,6 +235,27 @@ class Adapter:
     def hidden(self) -> int:
         return int(self._key("hidden"))
 
+    # -- the cache's two slots -------------------------------------------------------------
+    @property
+    def rotated_slot(self) -> int:
+        """Which slot of a cache layer holds the rotated keys: 0 (keys) for every family but
+        multi-head latent attention, whose keys slot holds the position-free latent and whose
+        values slot the rotary key part (1)."""
+        return 1 if self.family.mla else 0
+
+    @property
+    def cache_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(heads, dim) of the keys slot and of the values slot, as the cache stores them."""
+        if self.family.mla:
+            return (1, int(getattr(self.config, self.family.mla["latent"]))), \
+                (1, int(getattr(self.config, self.family.mla["rope_dim"])))
+        return (self.n_kv_heads, self.head_dim), (self.n_kv_heads, self.head_dim)
+
+    @property
+    def rotary_room(self) -> int:
+        """The dims of the rotated slot: at most this many rotate (partial RoPE: fewer)."""
+        return self.cache_dims[self.rotated_slot][1]
+
     # -- modules -------------------------------------------------------------------------
     def layers(self, model: torch.nn.Module) -> torch.nn.ModuleList:
         return _get(model, self.family.layers)
@@ -275,7 +309,8 @@ class Adapter:
         params.setdefault("partial_rotary_factor", getattr(self.config, "partial_rotary_factor", 1.0) or 1.0)
         if params["rope_type"] not in ROPE_TYPES_SUPPORTED:
             raise KvprobeError(f"unsupported RoPE type {params['rope_type']!r} in {self.family.family}; "
-                               f"supported: {', '.join(ROPE_TYPES_SUPPORTED)} (dynamic scaling depends on length and is refused)")
+                               f"supported: {', '.join(ROPE_TYPES_SUPPORTED)} (dynamic scaling depends on length and "
+                               f"is refused)")
         return params
 
     def attention_masks(self, build) -> dict | "torch.Tensor":

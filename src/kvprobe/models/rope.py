@@ -96,7 +96,7 @@ def rope_frequencies(adapter: Adapter, layer: int, device: torch.device | str | 
     kind = params["rope_type"]
     init = _default_init(adapter.family) if kind == "default" else ROPE_INIT_FUNCTIONS[kind]
     freqs, attention_factor = init(view, device=device, **kwargs)
-    assert freqs.ndim == 1 and 2 * freqs.numel() <= adapter.head_dim, (freqs.shape, adapter.head_dim)
+    assert freqs.ndim == 1 and 2 * freqs.numel() <= adapter.rotary_room, (freqs.shape, adapter.rotary_room)
     return freqs.to(device), float(attention_factor)
 
 
@@ -137,13 +137,30 @@ def _range(length: int, start: int, end: int | None) -> tuple[int, int]:
     return start, end
 
 
+def rotated(adapter: Adapter, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The slot of a cache layer's (keys, values) that holds rotated keys: the keys, or, under
+    multi-head latent attention, the values slot's rotary key part (:attr:`Adapter.rotated_slot`)."""
+    return kv[adapter.rotated_slot]
+
+
+def rerotate_kv(adapter: Adapter, layer: int, kv: tuple[torch.Tensor, torch.Tensor], delta: int | torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's (keys, values) (B, H, T, D) moved by ``delta``: the rotated slot turned (a new
+    tensor), the other one the input's own tensor."""
+    out = list(kv)
+    slot = adapter.rotated_slot
+    out[slot] = rerotate(kv[slot], delta, inv_freq(adapter, layer, kv[slot].device))
+    return out[0], out[1]
+
+
 def rerotate_cache_layer(cache, adapter: Adapter, layer: int, delta: int | torch.Tensor,
                          start: int = 0, end: int | None = None) -> torch.Tensor:
-    """New keys (B, H_kv, T, D) of one cache layer with positions [start, end) shifted by ``delta``.
+    """The new rotated slot (B, H, T, D) of one cache layer (its keys; the rotary key part under
+    multi-head latent attention) with positions [start, end) shifted by ``delta``.
 
     ``delta`` is an int or an (end - start,) tensor. The cache is not modified.
     """
-    keys, _ = kvcache.get_kv(cache, layer)  # (B, H_kv, T, D)
+    keys = rotated(adapter, kvcache.get_kv(cache, layer))  # (B, H, T, D)
     start, end = _range(keys.shape[2], start, end)
     out = keys.clone()
     out[:, :, start:end] = rerotate(keys[:, :, start:end], delta, inv_freq(adapter, layer, keys.device))
@@ -153,13 +170,15 @@ def rerotate_cache_layer(cache, adapter: Adapter, layer: int, delta: int | torch
 def rerotate_cache(cache, adapter: Adapter, delta: int | torch.Tensor, start: int = 0, end: int | None = None):
     """A new cache whose keys at positions [start, end) of every layer are shifted by ``delta``.
 
-    Keys are new tensors; values (never rotated) are the input cache's own tensors, shared, not
-    copied. The input cache is not modified.
+    The rotated slot is a new tensor; the other (values; the latent under multi-head latent
+    attention, which holds no position) is the input cache's own tensor, shared, not copied. The
+    input cache is not modified.
     """
     layers = []
     for layer in range(kvcache.n_layers(cache)):
-        _, values = kvcache.get_kv(cache, layer)
-        layers.append((rerotate_cache_layer(cache, adapter, layer, delta, start, end), values))
+        kv = list(kvcache.get_kv(cache, layer))
+        kv[adapter.rotated_slot] = rerotate_cache_layer(cache, adapter, layer, delta, start, end)
+        layers.append(tuple(kv))
     return kvcache.from_tensors(layers)
 
 
@@ -209,8 +228,8 @@ def rerotation_error(model, adapter: Adapter, shift: int = SELF_CHECK_SHIFT, len
         _, at_shift = kvcache.prefill(model, ids, start=shift)
     errors = []
     for layer in range(adapter.n_layers):
-        keys, _ = kvcache.get_kv(at_zero, layer)  # (1, H_kv, T, D)
-        want, _ = kvcache.get_kv(at_shift, layer)  # (1, H_kv, T, D)
+        keys = rotated(adapter, kvcache.get_kv(at_zero, layer))  # (1, H_kv, T, D)
+        want = rotated(adapter, kvcache.get_kv(at_shift, layer))  # (1, H_kv, T, D)
         got = rerotate(keys, shift, inv_freq(adapter, layer, keys.device), compute_dtype)
         errors.append((got.double() - want.double()).abs().max().item())
     return errors
