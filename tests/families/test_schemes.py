@@ -145,3 +145,29 @@ def test_kvprobe_run_end_to_end_on_mla_and_moe(tmp_path, model):
     assert proc.returncode == 0, proc.stderr[-2000:]
     for table in ("validity", "locality", "attention", "knockout", "linear", "edits"):
         assert (out / f"{table}.parquet").exists(), table
+
+
+def test_a_sliding_window_the_family_file_does_not_declare_is_refused(tmp_path):
+    """Starcoder2 slides over a window; a family file of the user's that leaves `sliding:` out would
+    let kvprobe's masks attend past it. Refused at load, one line, exit 3."""
+    import os
+
+    folder = _folder(tmp_path / "sc2", transformers.Starcoder2Config(
+        vocab_size=len(word_tokenizer()), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, sliding_window=16),
+        transformers.Starcoder2ForCausalLM)
+    fams = tmp_path / "families"
+    fams.mkdir()
+    text = (ROOT / "src/kvprobe/models/families/llama.yaml").read_text()
+    text = text.replace("family: llama", "family: starcoder2")
+    text = text.replace("model_types: [llama]", "model_types: [starcoder2]")
+    text = text.replace("LlamaForCausalLM", "Starcoder2ForCausalLM").replace("LlamaConfig", "Starcoder2Config")
+    text = text.replace("toy: {}", "")
+    (fams / "starcoder2.yaml").write_text(text)
+    out = tmp_path / "out"
+    proc = cli_process.run("run", "--model", folder, "--n", "2", "--out", out,
+                           env={**os.environ, "KVPROBE_FAMILY_PATH": str(fams)})
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 3 and len(lines) == 1, (proc.returncode, proc.stderr[-2000:])
+    assert "sets a sliding window of 16 tokens that the family file of 'starcoder2' does not declare" in lines[0]
+    assert not out.exists()

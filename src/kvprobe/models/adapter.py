@@ -297,6 +297,16 @@ class Adapter:
             return [t == "sliding_attention" for t in types[: self.n_layers]]
         return [True] * self.n_layers
 
+    def check_window(self) -> None:
+        """Refuse a model whose config sets a sliding window its family file does not declare: kvprobe
+        builds its own attention masks from the family's window, so it would attend past the window
+        the model was trained with, silently."""
+        window = getattr(self.config, "sliding_window", None)
+        if window and self.family.sliding is None and getattr(self.config, "use_sliding_window", True) is not False:
+            raise KvprobeError(f"{self.config.model_type} sets a sliding window of {window} tokens that the family "
+                               f"file of {self.family.family!r} does not declare (no sliding:), so kvprobe cannot keep "
+                               f"it; add sliding: {{window: sliding_window}} to that file")
+
     # -- RoPE ----------------------------------------------------------------------------
     def rope_parameters(self, layer: int) -> dict:
         """The rotary parameters layer ``layer`` uses (theta, type, scaling), as a plain dict."""

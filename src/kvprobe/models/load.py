@@ -177,6 +177,7 @@ def _finish(model, tokenizer, spec: str, source: str, dtype: str | None, device:
     (tiny, toy, one the caller built) is cast here, and with a ``device_map`` dispatched by accelerate.
     """
     adapter = Adapter.for_config(model.config)
+    adapter.check_window()
     if dtype is not None and model.dtype != DTYPES[dtype]:
         model = model.to(dtype=DTYPES[dtype])  # in-process models (small); a GGUF transformers did not cast
     if device_map is not None and not placed:
