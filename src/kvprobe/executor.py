@@ -73,15 +73,11 @@ class Context:
         return self.memo[name]
 
 
-class Serial:
-    """Each item computed here, in order (kvprobe's default; what every command did before)."""
+class Executor:
+    """What every executor has: :meth:`each` (its own), :meth:`map` over it, and a context manager
+    that calls :meth:`close` at its end."""
 
-    name = "serial"
-    workers = 1
-
-    def __init__(self):
-        self.wasted = 0  # never: nothing is computed ahead
-        self.computed = 0
+    name = ""
 
     def __enter__(self):
         return self
@@ -91,6 +87,29 @@ class Serial:
 
     def close(self) -> None:
         pass
+
+    def each(self, store, items: Iterable, fn: Callable, ctx: Context, times: dict | None = None) -> Iterator:
+        raise NotImplementedError
+
+    def map(self, store, items: Iterable, fn: Callable, ctx: Context, on_done: Callable[[], None] = lambda: None,
+            times: dict | None = None) -> pd.DataFrame:
+        """:meth:`each` over every item, ``on_done()`` after each; the frames concatenated in order."""
+        frames = []
+        for _, df, _ in self.each(store, items, fn, ctx, times):
+            frames.append(df)
+            on_done()
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+class Serial(Executor):
+    """Each item computed here, in order (kvprobe's default; what every command did before)."""
+
+    name = "serial"
+    workers = 1
+
+    def __init__(self):
+        self.wasted = 0  # never: nothing is computed ahead
+        self.computed = 0
 
     def describe(self) -> dict:
         return {"executor": self.name, "workers": 1}
@@ -111,15 +130,6 @@ class Serial:
                 if store is not None:
                     store.save(key, df)
             yield key, df, resumed
-
-    def map(self, store, items: Iterable, fn: Callable, ctx: Context, on_done: Callable[[], None] = lambda: None,
-            times: dict | None = None) -> pd.DataFrame:
-        """:meth:`each` over every item, ``on_done()`` after each; the frames concatenated in order."""
-        frames = []
-        for _, df, _ in self.each(store, items, fn, ctx, times):
-            frames.append(df)
-            on_done()
-        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
 START_TIMEOUT_S = 600.0  # workers that have not loaded the model by then: one line, never a hang
@@ -209,7 +219,7 @@ class _Worker:
         return out
 
 
-class RayExecutor:
+class RayExecutor(Executor):
     """Items computed by ``workers`` Ray actors, each holding the model once (see the module docstring).
 
     ``address``: a running cluster (``HOST:PORT``, ``ray://HOST:PORT`` or ``auto``); None starts a
@@ -250,12 +260,6 @@ class RayExecutor:
         self._model: dict | None = None
         self._started_ray = False
         self._nodes: list[dict] = []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def describe(self) -> dict:
         """What the manifest records of how the items were computed."""
@@ -456,16 +460,9 @@ class RayExecutor:
                                          f"--retries {self.retries}); finished work is saved: rerun the same command "
                                          f"to resume")
         if not self._actors:
-            raise EnvironmentProblem(f"every Ray worker was lost ({self.lost}, {self.retries} replaced); finished "
-                                     f"work is saved: rerun the same command to resume")
-
-    def map(self, store, items: Iterable, fn: Callable, ctx: Context, on_done: Callable[[], None] = lambda: None,
-            times: dict | None = None) -> pd.DataFrame:
-        frames = []
-        for _, df, _ in self.each(store, items, fn, ctx, times):
-            frames.append(df)
-            on_done()
-        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+            raise EnvironmentProblem(f"every Ray worker was lost ({self.lost} lost, {min(self.lost, self.retries)} "
+                                     f"replaced, --retries {self.retries}); finished work is saved: rerun the same "
+                                     f"command to resume")
 
     # -- stopping ---------------------------------------------------------------------------------------------
     def close_workers(self) -> None:
