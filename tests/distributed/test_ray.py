@@ -140,6 +140,21 @@ def test_edit_and_sweep_on_two_workers_give_the_serial_tables(local_ray, tmp_pat
         assert manifests["ray"]["executor"]["computed"] >= screened
 
 
+def test_validate_on_two_workers_composes_the_serial_rows(local_ray, tmp_path):
+    """`kvprobe validate`'s queries on workers: the blocks are precompiled in the driver and travel
+    to the workers; the rows are the serial ones."""
+    from kvprobe.composer.gate import run_compose
+
+    lm = tiny_model("toy-qwen2")
+    kw = {"n": 3, "seed": 0, "seams": (0, 4), "block_tokens": (40, 80), "n_blocks": (1, 2)}
+    serial = run_compose(lm, **kw, parts=CaseStore(tmp_path / "serial", "compose"))
+    with RayExecutor(workers=2) as ex:
+        par = run_compose(lm, **kw, parts=CaseStore(tmp_path / "ray", "compose"), executor=ex)
+        assert ex.computed == 3
+    cols = [c for c in serial.columns if c not in compare_runs.TIMING]
+    pd.testing.assert_frame_equal(par[cols], serial[cols], atol=compare_runs.NOISE, check_exact=False)
+
+
 def test_calibrate_on_two_workers_uses_the_serial_pairs_and_gives_its_policy(local_ray):
     from kvprobe.calibrate.engine import calibrate, load_spec
 
