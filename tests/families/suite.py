@@ -254,7 +254,7 @@ class EditSuite:
         with pytest.raises(KvprobeError, match="bad strategy"):
             editor.parse_strategy("selective:4:telepathy")
         with pytest.raises(KvprobeError, match="longer than the model's window"):
-            self.lm.check_length(self.lm.model.config.max_position_embeddings + 1)
+            self.lm.check_length(self.lm.max_positions + 1)
 
 
 class ProbeSuite:

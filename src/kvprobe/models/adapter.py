@@ -52,6 +52,7 @@ class Family:
     tiny: dict
     toy: dict | None = None  # the toy model's config overrides (absent: no toy for this family)
     mla: dict | None = None  # multi-head latent attention: the config keys of its cache (see _Mla)
+    rotary_class: str | None = None  # the RoPE module's class, where it is not <Model>RotaryEmbedding
 
 
 HINT = "see src/kvprobe/models/families/llama.yaml for the keys"
@@ -117,6 +118,7 @@ class FamilyFile(File):
     tiny: dict[str, Any]
     toy: dict[str, Any] | None = None
     mla: _Mla | None = None
+    rotary_class: Text | None = None
 
 
 def read_family(entry) -> Family:
@@ -180,8 +182,8 @@ UNSUPPORTED_SCHEMES = {
     **dict.fromkeys(("deepseek_v2", "deepseek_v32", "kimi_k2"),  # deepseek_v3's MLA is supported (its family file)
                     "multi-head latent attention (MLA) of a variant kvprobe has not verified (V2's own code, V3.2's "
                     "sparse attention, Kimi's)"),
-    **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"),
-                    "M-RoPE (three-axis positions) with image blocks"),
+    **dict.fromkeys(("qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text"),  # qwen2_vl's is supported
+                    "M-RoPE (three-axis positions) of a variant kvprobe has not verified"),
 }
 
 

@@ -113,8 +113,9 @@ class LoadedModel:
 
     @property
     def max_positions(self) -> int | None:
-        """The model's position range (None when its config does not say)."""
-        return getattr(self.model.config, "max_position_embeddings", None)
+        """The model's position range (None when its config does not say): the decoder's config (a
+        multimodal model's text config)."""
+        return getattr(self.adapter.config, "max_position_embeddings", None)
 
     def check_length(self, n_tokens: int, what: str = "context") -> None:
         """Refuse ``n_tokens`` positions where the model has fewer (one line, the one length check)."""

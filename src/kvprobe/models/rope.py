@@ -70,7 +70,8 @@ SELF_CHECK_TOL = 1e-4  # max abs key error, float32 models
 def _default_init(family: Family):
     """The family's own default-RoPE function (``<Family>RotaryEmbedding``, e.g. LlamaRotaryEmbedding)."""
     module = sys.modules[getattr(transformers, family.causal_lm_class).__module__]
-    rotary = getattr(module, family.causal_lm_class.removesuffix("ForCausalLM") + "RotaryEmbedding")
+    name = family.rotary_class or family.causal_lm_class.removesuffix("ForCausalLM") + "RotaryEmbedding"
+    rotary = getattr(module, name)
     return rotary.compute_default_rope_parameters
 
 

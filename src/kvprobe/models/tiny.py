@@ -51,7 +51,14 @@ def tiny_config(name: str, vocab_size: int, **overrides):
         raise UsageError(f"unknown tiny model {name!r}; known: {', '.join(tiny_names())}")
     fam = families()[fam_name]
     kwargs = {**fam.tiny, **extra, **overrides}
-    kwargs.update(vocab_size=vocab_size, pad_token_id=0, bos_token_id=2, eos_token_id=3, tie_word_embeddings=False)
+    ids = {"vocab_size": vocab_size, "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 3}
+    if "text_config" in kwargs:  # a multimodal model: the decoder's settings nest under text_config
+        kwargs["text_config"] = {**kwargs["text_config"], **ids}
+        kwargs = {k: (vocab_size + v if k.endswith("_token_id") and isinstance(v, int) and v < 0 else v)
+                  for k, v in kwargs.items()}  # the image tokens: the vocabulary's last ids (-1, -2, ...)
+        kwargs["tie_word_embeddings"] = False
+    else:
+        kwargs.update(ids, tie_word_embeddings=False)
     config = getattr(transformers, fam.config_class)(**kwargs)
     config._attn_implementation = "eager"
     return config
