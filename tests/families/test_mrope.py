@@ -101,3 +101,27 @@ def test_text_prompts_on_the_multimodal_model_run_through_kvprobe():
     lm = tiny_model("tiny-qwen2_vl")
     assert lm.info.rope_unsupported is None and lm.info.rope_check_error <= 1e-4
     assert lm.adapter.family.family == "qwen2_vl" and lm.max_positions == 2048
+
+
+def test_a_text_field_edit_downstream_of_an_image_recomputed_equals_the_oracle():
+    """A field after the image changes (one token): recomputing the field and everything after it
+    on the old multimodal cache, each token rotated by its M-RoPE position, gives the fresh prefill
+    of the new prompt (the oracle); rotated by its token index instead (1-D RoPE), it does not."""
+    from kvprobe.kv.recompute import recompute_positions
+
+    lm, image, _, lead, query, block = _setup()
+    old_ids = lead + block + [41, 42, 43] + query
+    new_ids = lead + block + [41, 77, 43] + query
+    field = len(lead) + len(block) + 1
+    pos = _positions(lm, old_ids, 1)
+    assert torch.equal(pos, _positions(lm, new_ids, 1))
+    oracle, _ = _prefill(lm, new_ids, image, pos, 1)
+    D = len(new_ids) - 1  # the decision token: read on top of the repaired cache [0, D)
+    _, old = _prefill(lm, old_ids[:D], image, pos[:, :, :D], 1)
+    for rope_positions, expect_close in ((pos[:, :, :D], True), (None, False)):
+        repaired = recompute_positions(lm, old, new_ids, list(range(field, D)), rope_positions=rope_positions)
+        with torch.no_grad():
+            out = lm.model(input_ids=torch.tensor([new_ids[D:]]), position_ids=pos[:, :, D:], cache=repaired,
+                           use_cache=True)
+        err = _max(out.logits[0, -1], oracle)
+        assert (err <= TOL_LOGITS) == expect_close, (rope_positions is not None, err)

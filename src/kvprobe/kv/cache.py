@@ -223,7 +223,7 @@ def deepcopy(cache: DynamicCache) -> DynamicCache:
 @torch.no_grad()
 def masked_forward(lm, input_ids: torch.Tensor, cache: DynamicCache, positions: torch.Tensor,
                    key_positions: torch.Tensor | None = None, visible: torch.Tensor | None = None,
-                   columns=None, **kwargs):
+                   columns=None, rope_positions: torch.Tensor | None = None, **kwargs):
     """Run new tokens against ``cache`` under an explicit visibility rule (see :mod:`kvprobe.kv.mask`).
 
     input_ids, positions: (B, S); key_positions: (B, N) or (N,) RoPE positions of the cache
@@ -231,6 +231,10 @@ def masked_forward(lm, input_ids: torch.Tensor, cache: DynamicCache, positions: 
     may attend to (default: all, subject to causality by position). The new tokens' K/V are
     appended to ``cache`` in place, at indices N..N+S-1. The tensors go to the model's input device
     (``lm.model.device``; a no-op on cpu). ``columns``: as in :func:`forward`.
+
+    ``rope_positions``: the positions the model rotates by, where they are not ``positions``: an
+    M-RoPE model's (3, B, S) ids (docs/architectures.md), whose image tokens share positions; the
+    mask still orders tokens by ``positions`` and ``key_positions`` (their indices, then).
     """
     device = lm.model.device
     input_ids, positions = input_ids.to(device), positions.to(device)
@@ -249,7 +253,8 @@ def masked_forward(lm, input_ids: torch.Tensor, cache: DynamicCache, positions: 
     dtype = next(lm.model.parameters()).dtype
     masks = lm.adapter.attention_masks(
         lambda window: additive_mask(positions, key_positions, visible, window, dtype))
-    return _call(lm.model, columns, input_ids=input_ids, position_ids=positions, attention_mask=masks, use_cache=True,
+    rotate = positions if rope_positions is None else rope_positions.to(device)
+    return _call(lm.model, columns, input_ids=input_ids, position_ids=rotate, attention_mask=masks, use_cache=True,
                  **{CACHE_KWARG: cache}, **kwargs)
 
 

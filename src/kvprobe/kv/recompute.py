@@ -8,12 +8,15 @@ from transformers import DynamicCache
 from kvprobe.kv import cache as kvcache
 
 
-def recompute_positions(lm, cache: DynamicCache, ids: list[int], positions: list[int]) -> DynamicCache:
+def recompute_positions(lm, cache: DynamicCache, ids: list[int], positions: list[int],
+                        rope_positions: torch.Tensor | None = None) -> DynamicCache:
     """A copy of ``cache`` whose entries at ``positions`` are recomputed from ``ids``.
 
     Each recomputed token attends to the *stale* entries of the other positions before it and to
     the other recomputed tokens before it (CacheBlend semantics). Recomputing every position from
-    the first changed one on therefore equals a fresh prefill.
+    the first changed one on therefore equals a fresh prefill. ``rope_positions``: the whole
+    prompt's rotary positions where they are not its indices (an M-RoPE model's (3, 1, T) ids with
+    an image in the prompt); the recomputed tokens are rotated by theirs.
     """
     work = kvcache.copy(cache)
     if not positions:
@@ -23,8 +26,9 @@ def recompute_positions(lm, cache: DynamicCache, ids: list[int], positions: list
     assert int(sel.max()) < n, "positions must lie inside the cache"
     visible = torch.ones(1, len(sel), n, dtype=torch.bool)
     visible[:, :, sel] = False  # the recomputed tokens stand in for their stale entries
+    rotate = rope_positions[..., sel] if rope_positions is not None else None
     kvcache.masked_forward(lm, torch.tensor([ids[p] for p in sel.tolist()])[None], work, sel[None], visible=visible,
-                     logits_to_keep=1)
+                           logits_to_keep=1, rope_positions=rotate)
     for layer in range(kvcache.n_layers(work)):
         k, v = kvcache.get_kv(work, layer)  # (1, H_kv, n + S, D)
         k[:, :, sel], v[:, :, sel] = k[:, :, n:].clone(), v[:, :, n:].clone()  # one head (MLA): overlapping
