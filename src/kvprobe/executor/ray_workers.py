@@ -1,30 +1,5 @@
-"""Where a command's cases are computed: one after another in this process (``serial``, the
-default), or by Ray actors on this machine or a cluster (``ray``: ``pip install 'kvprobe[ray]'``).
-
-Every resume loop goes through an executor's :meth:`each`: items ``(key, item)`` in order, each
-computed by ``fn(ctx, item)``, where ``ctx`` (:class:`Context`) holds the model of the process that
-computes it (so ``fn`` must not hold a model itself: it travels to the workers). The driver alone
-reads and writes the results folder: a finished part is read here and never sent out; a computed
-one comes back as rows and is saved here, atomically, before it is yielded; the claim, the
-manifest and the resume stay where they were. Results are yielded in the items' order, whatever
-order the workers finish in, so a command that stops early (a sized sweep cell, calibrate's
-sequential rule) stops exactly where a serial run stops and its tables are the serial run's.
-
-Ray (:class:`RayExecutor`):
-
-- each worker is an actor that loads the model once, from the driver's load arguments, and must
-  show the driver's fingerprint (config, weights and tokenizer hashes) or the run stops;
-- the driver asks for at most ``lookahead`` items beyond the one it yields next; items computed
-  past the point where a command stops are counted (:attr:`RayExecutor.wasted`) and their parts
-  kept (a resume, or a larger budget, reads them);
-- a worker that dies (its process killed, its node lost) gives its unfinished items back: each
-  item is sent again at most ``retries`` times, and up to ``retries`` replacement workers are
-  started; with no worker left the run stops with one line, and the same command resumes;
-- a cluster with no node that can hold one worker (``--gpus-per-worker`` where no GPU is), an
-  address that does not answer, or workers that do not start within ``start_timeout`` seconds
-  (``KVPROBE_RAY_START_S``, 600 by default: a large model takes minutes to load) is one line
-  (exit 4), never a hang.
-"""
+"""The Ray executor (``--executor ray``): the workers are Ray actors that each hold the model once;
+see :mod:`kvprobe.executor` for the rules it keeps (order, lookahead, faults, refusals)."""
 
 from __future__ import annotations
 
@@ -42,94 +17,10 @@ from typing import Any
 import pandas as pd
 
 from kvprobe.errors import EnvironmentProblem, KvprobeError, UsageError
+from kvprobe.executor.base import Context, Executor
 
-EXECUTORS = ("serial", "ray")
 ENV_FORWARDED = ("HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")  # and every KVPROBE_* variable
 INFLIGHT = 2  # tasks queued on one worker at a time: it never waits for the driver between two
-
-
-class Context:
-    """What a task gets in the process that runs it: the model (``lm``), that process's
-    :class:`~kvprobe.probes.engine.PairMemo` (each case's caches, built once per process) and
-    :meth:`keep` for other per-process state a task reuses across items (a shared prefix)."""
-
-    def __init__(self, lm, pairs=None):
-        self.lm = lm
-        self._pairs = pairs
-        self.memo: dict[str, Any] = {}
-
-    @property
-    def pairs(self):
-        if self._pairs is None:
-            from kvprobe.probes.engine import PairMemo
-
-            self._pairs = PairMemo(self.lm)
-        return self._pairs
-
-    def keep(self, name: str, build: Callable[[Any], Any]):
-        """``build(lm)`` the first time ``name`` is asked for in this process, the same object after."""
-        if name not in self.memo:
-            self.memo[name] = build(self.lm)
-        return self.memo[name]
-
-
-class Executor:
-    """What every executor has: :meth:`each` (its own), :meth:`map` over it, and a context manager
-    that calls :meth:`close` at its end."""
-
-    name = ""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        pass
-
-    def each(self, store, items: Iterable, fn: Callable, ctx: Context, times: dict | None = None) -> Iterator:
-        raise NotImplementedError
-
-    def map(self, store, items: Iterable, fn: Callable, ctx: Context, on_done: Callable[[], None] = lambda: None,
-            times: dict | None = None) -> pd.DataFrame:
-        """:meth:`each` over every item, ``on_done()`` after each; the frames concatenated in order."""
-        frames = []
-        for _, df, _ in self.each(store, items, fn, ctx, times):
-            frames.append(df)
-            on_done()
-        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-
-
-class Serial(Executor):
-    """Each item computed here, in order (kvprobe's default; what every command did before)."""
-
-    name = "serial"
-    workers = 1
-
-    def __init__(self):
-        self.wasted = 0  # never: nothing is computed ahead
-        self.computed = 0
-
-    def describe(self) -> dict:
-        return {"executor": self.name, "workers": 1}
-
-    def each(self, store, items: Iterable, fn: Callable, ctx: Context, times: dict | None = None) -> Iterator:
-        """For each ``(key, item)``: yields ``(key, frame, resumed)``, the frame read from ``store``'s
-        part (a :class:`kvprobe.results.CaseStore`, or None: nothing kept) or computed by
-        ``fn(ctx, item)`` and saved before it is yielded; ``times`` gets each computed item's seconds."""
-        for key, item in items:
-            df = store.get(key) if store is not None else None
-            resumed = df is not None
-            if df is None:
-                start = time.perf_counter()
-                df = fn(ctx, item)
-                self.computed += 1
-                if times is not None:
-                    times[key] = time.perf_counter() - start
-                if store is not None:
-                    store.save(key, df)
-            yield key, df, resumed
 
 
 START_TIMEOUT_S = 600.0  # workers that have not loaded the model by then: one line, never a hang
@@ -485,14 +376,3 @@ def _cause(exc) -> BaseException:
     """The exception a task raised on a worker (a KvprobeError stays one line with its exit code)."""
     cause = getattr(exc, "cause", None)
     return cause if isinstance(cause, BaseException) else exc
-
-
-def make_executor(executor: str = "serial", workers: int = 2, address: str | None = None, gpus_per_worker: float = 0.0,
-                  threads_per_worker: int = 1, retries: int = 2, say: Callable[[str], None] = lambda message: None):
-    """The executor a command's options name."""
-    if executor not in EXECUTORS:
-        raise UsageError(f"unknown --executor {executor!r}; accepted: {', '.join(EXECUTORS)}")
-    if executor == "serial":
-        return Serial()
-    return RayExecutor(workers=workers, address=address, gpus_per_worker=gpus_per_worker,
-                       threads_per_worker=threads_per_worker, retries=retries, say=say)
