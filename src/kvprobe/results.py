@@ -13,7 +13,6 @@ import json
 import os
 import platform
 import tempfile
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -276,10 +275,10 @@ class CaseStore:
     """Per-part results of one table, so an interrupted run resumes without redoing finished work.
 
     Each finished part (a case, a query, a benchmark run) is one parquet file
-    ``<folder>/parts/<table>/<part_name(key)>.parquet``, written atomically; :meth:`each` and
-    :meth:`map` are the resume loop every command uses (a finished part is read, the others are
-    computed and saved as each ends); :meth:`collect` concatenates the parts into
-    ``<folder>/<table>.parquet``. Only the folder's claim (:class:`ResultsFolder`) makes a part
+    ``<folder>/parts/<table>/<part_name(key)>.parquet``, written atomically; the resume loop every
+    command uses is an executor's ``each``/``map`` over a store (:mod:`kvprobe.executor`: a finished
+    part is read, the others are computed and saved as each ends); :meth:`collect` concatenates the
+    parts into ``<folder>/<table>.parquet``. Only the folder's claim (:class:`ResultsFolder`) makes a part
     reusable: it was computed from the same settings, model and case contents.
     """
 
@@ -308,29 +307,6 @@ class CaseStore:
             self.recomputed.append(key)
             return None
 
-    def each(self, items, fn, times: dict[str, float] | None = None):
-        """For each ``(key, item)``: yields ``(key, frame, resumed)``, the frame read from its part
-        or computed by ``fn(item)`` and saved before it is yielded (a caller may stop early);
-        ``times`` gets the seconds of each one computed."""
-        for key, item in items:
-            df = self.get(key)
-            resumed = df is not None
-            if df is None:
-                start = time.perf_counter()
-                df = fn(item)
-                if times is not None:
-                    times[key] = time.perf_counter() - start
-                self.save(key, df)
-            yield key, df, resumed
-
-    def map(self, items, fn, on_done=lambda: None, times: dict[str, float] | None = None) -> pd.DataFrame:
-        """:meth:`each` over every item, ``on_done()`` after each; the frames concatenated."""
-        frames = []
-        for _, df, _ in self.each(items, fn, times):
-            frames.append(df)
-            on_done()
-        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-
     def finished(self):
         """Every finished, readable part's frame, in file-name order."""
         for f in sorted(self.parts.glob("*.parquet")) if self.parts.exists() else []:
@@ -358,7 +334,7 @@ class ResultsFolder:
         folder = ResultsFolder(out, EDIT_CLAIM, settings, dtype=dtype)
         folder.check()                      # before loading anything: writes nothing
         folder.claim(lm, cases)             # once every input is valid: settings, model and cases
-        df = folder.parts("edits").map(items, fn, on_done=tick)
+        df = Serial().map(folder.parts("edits"), items, fn, Context(lm), on_done=tick)  # kvprobe.executor
         folder.write(name, folder.manifest(lm, **fields))
     """
 
