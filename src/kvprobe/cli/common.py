@@ -119,7 +119,7 @@ def executor_for(ctx, executor: str, workers: int, ray_address: str | None, gpus
     from kvprobe.executor import make_executor
 
     if executor == "serial":
-        given = [name for name in RAY_ONLY if _given(ctx, name)]
+        given = [name for name in RAY_ONLY if given_on_command_line(ctx, name)]
         if given:
             raise UsageError(f"--{given[0].replace('_', '-')} applies to --executor ray only; add --executor ray or "
                              f"leave it out")
@@ -134,7 +134,8 @@ def executor_for(ctx, executor: str, workers: int, ray_address: str | None, gpus
     return ex
 
 
-def _given(ctx, name: str) -> bool:
+def given_on_command_line(ctx, name: str) -> bool:
+    """Whether option ``name`` (its parameter name) was given, not left at its default."""
     try:  # typer >= 0.20 vendors click: its own ParameterSource
         from typer._click.core import ParameterSource
     except ImportError:  # pragma: no cover

@@ -6,13 +6,9 @@ from pathlib import Path
 
 import typer
 
-try:  # typer >= 0.20 vendors click: its own ParameterSource
-    from typer._click.core import ParameterSource
-except ImportError:  # pragma: no cover
-    from click.core import ParameterSource
-
 from kvprobe.cli import options as opt
-from kvprobe.cli.common import console, executor_for, load_with_status, progress_bar, usable_out
+from kvprobe.cli.common import (console, executor_for, given_on_command_line, load_with_status, progress_bar,
+                                usable_out)
 from kvprobe.errors import UsageError
 
 
@@ -60,7 +56,7 @@ def run(ctx: typer.Context,
     given = {name for name in ("model", "dataset", "n", "budget", "threshold", "seed", "form", "few_shot", "probes", "strategies", "cot",
                                "min_flip", "valid_only", "max_controls", "compose", "dtype", "device",
                                "device_map")
-             if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)}
+             if given_on_command_line(ctx, name)}
     values = {"model": model, "dataset": dataset, "n": n, "budget": budget, "threshold": threshold, "seed": seed, "form": form, "few_shot": few_shot,
               "probes": opt.parse_csv(probes), "strategies": opt.parse_csv(strategies), "cot": opt.parse_ints(cot, "--cot"),
               "min_flip": min_flip, "valid_only": valid_only, "max_controls": max_controls, "compose": compose,

@@ -217,8 +217,7 @@ class RayExecutor(Executor):
         refs = [a.ready.remote() for a in actors]
         ready, waiting = self._ray.wait(refs, num_returns=len(refs), timeout=self.start_timeout)
         if waiting:
-            for a in actors:
-                self._ray.kill(a)
+            self._kill(actors)
             raise EnvironmentProblem(
                 f"{len(waiting)} of {n} Ray worker(s) did not start within {self.start_timeout:g} s (each needs "
                 f"{self.threads} CPU(s) and {self.gpus:g} GPU(s) free, and must load {self._load_args['spec']}); "
@@ -227,13 +226,11 @@ class RayExecutor(Executor):
             try:
                 info = self._ray.get(ref)
             except self._ray.exceptions.RayTaskError as exc:
-                for b in actors:
-                    self._ray.kill(b)
+                self._kill(actors)
                 raise _cause(exc) from None
             if info["model"] != self._model:
                 differ = sorted(k for k in self._model if info["model"].get(k) != self._model[k])
-                for b in actors:
-                    self._ray.kill(b)
+                self._kill(actors)
                 raise KvprobeError(f"a Ray worker on {info['node']} loaded other weights for "
                                    f"{self._load_args['spec']} ({', '.join(differ)} differ from this machine's); "
                                    f"every node must hold the same model files")
@@ -356,13 +353,16 @@ class RayExecutor(Executor):
                                      f"command to resume")
 
     # -- stopping ---------------------------------------------------------------------------------------------
-    def close_workers(self) -> None:
-        for a in self._actors:
+    def _kill(self, actors) -> None:
+        for a in actors:
             try:
                 self._ray.kill(a)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-        self._actors = []
+
+    def close_workers(self) -> None:
+        self._kill(self._actors)
+        self._actors, self._nodes = [], []
 
     def close(self) -> None:
         """Stop the workers, and the local Ray this executor started."""
