@@ -78,7 +78,7 @@ def test_refuses_corrupt_data_and_header(tmp_path):
     block_store.load_block(path, lm, verify=False)  # only the checksum sees data corruption
     header_len = int.from_bytes(data[:8], "little")
     text = data[8 : 8 + header_len].decode()
-    for bad in (text.replace('"kvprobe-block/1', '"kvprobe-block/9'), text.replace("{", "[", 1)):
+    for bad in (text.replace('"kvprobe-block/2', '"kvprobe-block/9'), text.replace("{", "[", 1)):
         path.write_bytes(bytes(data[:8]) + bad.encode() + bytes(data[8 + header_len :]))
         with pytest.raises(KvprobeError, match="not a (readable )?(kvprobe )?block file"):
             block_store.load_block(path, lm)

@@ -22,6 +22,13 @@ class Block:
 
     The K/V were computed at RoPE positions ``start .. start + T - 1`` (behind ``preamble``,
     whose own K/V are not kept). ``config_hash`` and ``dtype`` name the model they belong to.
+
+    An **image block** (M-RoPE, :mod:`kvprobe.composer.images`) has three position ids per token:
+    ``rope_positions`` (3, T), temporal/height/width, the first token's (start, start, start);
+    it takes ``span`` positions (its largest position - start + 1), fewer than its tokens, and the
+    text after it continues from there. ``embeds`` (T, d) are the decoder's input embeddings of
+    its tokens (the vision tower's features in the image tokens), so that a seam can be fed fresh;
+    ``image`` names the image (``sha256`` of its pixel values and ``grid_thw``).
     """
 
     ids: list[int]
@@ -31,6 +38,9 @@ class Block:
     config_hash: str
     dtype: str
     name: str = ""
+    rope_positions: torch.Tensor | None = None  # (3, T) under M-RoPE (image blocks); None: start + arange(T)
+    embeds: torch.Tensor | None = None  # (T, d) input embeddings (image blocks)
+    image: dict | None = None  # {"sha256": ..., "grid_thw": [t, h, w]} (image blocks)
     _rotated: dict = field(default_factory=dict, repr=False)  # delta -> rotated keys, per layer
 
     def __post_init__(self):
@@ -40,8 +50,23 @@ class Block:
         return len(self.ids)
 
     @property
-    def positions(self) -> list[int]:
+    def positions(self) -> list[int] | list[list[int]]:
+        """RoPE positions: one per token, or (image blocks) three rows of one per token."""
+        if self.rope_positions is not None:
+            return self.rope_positions.tolist()
         return list(range(self.start, self.start + len(self.ids)))
+
+    @property
+    def scheme(self) -> str:
+        """The position scheme its keys were rotated in: ``rope`` (one id per token) or ``mrope``."""
+        return "rope" if self.rope_positions is None else "mrope"
+
+    @property
+    def span(self) -> int:
+        """How many positions it takes: its tokens, or an image block's largest position - start + 1."""
+        if self.rope_positions is None:
+            return len(self.ids)
+        return int(self.rope_positions.max()) - self.start + 1
 
     @property
     def nbytes(self) -> int:
@@ -61,10 +86,19 @@ class Block:
 
 
 def check_block_shape(block: Block) -> None:
-    """Refuse K/V that do not hold exactly one (1, H_kv, T, D) entry per block token."""
+    """Refuse K/V that do not hold exactly one (1, H_kv, T, D) entry per block token, and an image
+    block's positions or embeddings of another length."""
     T = len(block.ids)
     if T == 0:
         raise KvprobeError(f"block {block.name or '(unnamed)'} has no tokens")
+    if block.rope_positions is not None:
+        pos = block.rope_positions
+        if pos.shape != (3, T) or pos[:, 0].tolist() != [block.start] * 3 or int(pos.min()) < block.start:
+            raise KvprobeError(f"block {block.name or '(unnamed)'}: M-RoPE positions must be (3, {T}) starting at "
+                               f"({block.start}, {block.start}, {block.start}), got {tuple(pos.shape)}")
+        if block.embeds is None or block.embeds.shape[0] != T:
+            raise KvprobeError(f"block {block.name or '(unnamed)'}: an image block needs its {T} tokens' input "
+                               f"embeddings")
     for layer, (k, v) in enumerate(block.kv):
         if k.ndim != 4 or v.ndim != 4 or k.shape[0] != 1 or k.shape[:3] != v.shape[:3]:
             raise KvprobeError(f"block {block.name or '(unnamed)'} layer {layer}: K/V must be (1, H_kv, T, D), "
@@ -80,6 +114,11 @@ def _dtype_name(lm) -> str:
     return str(next(lm.model.parameters()).dtype).removeprefix("torch.")
 
 
+def is_mrope(lm) -> bool:
+    """Whether ``lm`` rotates by three position ids (M-RoPE, Qwen2-VL): it can hold image blocks."""
+    return "mrope_section" in lm.adapter.rope_parameters(0)
+
+
 def check_composable(lm) -> None:
     """Refuse a model whose keys cannot be re-rotated (its load-time self-check failed)."""
     if lm.info.rope_unsupported:
@@ -87,7 +126,10 @@ def check_composable(lm) -> None:
 
 
 def check_block(lm, block: Block) -> None:
-    """Refuse a block that belongs to another model or dtype, or has the wrong shape."""
+    """Refuse a block that belongs to another model, position scheme or dtype, or has the wrong shape."""
+    if block.scheme == "mrope" and not is_mrope(lm):
+        raise KvprobeError(f"block {block.name or '(unnamed)'} is an M-RoPE image block; {lm.info.spec} rotates by "
+                           f"one position id (1-D RoPE)")
     if block.config_hash != lm.config_hash():
         raise KvprobeError(f"block {block.name or '(unnamed)'} was precompiled for another model "
                            f"(config {block.config_hash}, this model {lm.config_hash()}); precompile it again")

@@ -31,9 +31,11 @@ class Timings:
 class Composer:
     """Builds a composed cache part by part (see the module docstring).
 
-    ``ids`` holds every token of the context so far; entry i of the cache is token i at RoPE
-    position i. ``spans`` lists each block's [start, end) and name. ``logits`` (V,) are the
-    next-token logits after the last text part (None until one is fed).
+    ``ids`` holds every token of the context so far; entry i of the cache is token i, at RoPE
+    position i until an image block (M-RoPE) is spliced, which takes fewer positions than tokens;
+    ``next_pos`` is where the next part starts. ``spans`` lists each block's [start, end) (cache
+    indices) and name. ``logits`` (V,) are the next-token logits after the last text part (None
+    until one is fed).
     """
 
     def __init__(self, lm):
@@ -43,6 +45,7 @@ class Composer:
         self.ids: list[int] = []
         self.spans: list[tuple[int, int, str]] = []
         self.logits: torch.Tensor | None = None
+        self.next_pos = 0
         self.timings = Timings()
 
     def __len__(self) -> int:
@@ -55,6 +58,7 @@ class Composer:
         new.cache = kvcache.copy(self.cache) if kvcache.n_layers(self.cache) else kvcache.new_cache()
         new.ids, new.spans = list(self.ids), list(self.spans)
         new.logits = self.logits
+        new.next_pos = self.next_pos
         new.timings = Timings()
         return new
 
@@ -69,8 +73,11 @@ class Composer:
             return self.logits
         self._room(len(ids), "a text part")
         t0 = time.perf_counter()
-        out = kvcache.forward(self.lm.model, torch.tensor([ids], device=self.lm.device), self.cache, logits_to_keep=1)
+        positions = torch.arange(self.next_pos, self.next_pos + len(ids), device=self.lm.device)
+        out = kvcache.forward(self.lm.model, torch.tensor([ids], device=self.lm.device), self.cache, positions,
+                              logits_to_keep=1)
         self.ids += ids
+        self.next_pos += len(ids)
         self.logits = out.logits[0, -1]
         self.timings.prefill += time.perf_counter() - t0
         assert kvcache.seq_len(self.cache) == len(self.ids)
@@ -79,19 +86,27 @@ class Composer:
     @torch.no_grad()
     def block(self, block: Block, seam: int = 0, rerotate: bool = True) -> None:
         """Splice ``block`` at the next positions, re-rotated (or not: the control), with the
-        first ``seam`` tokens fed fresh against everything before them."""
+        first ``seam`` tokens fed fresh against everything before them (an image block's from its
+        stored input embeddings, at its M-RoPE positions moved)."""
         check_block(self.lm, block)
         if seam < 0:
             raise UsageError(f"seam must be >= 0, got {seam}")
-        T, p = len(block), len(self.ids)
+        T, p, at = len(block), len(self.ids), self.next_pos
         self._room(T, f"block {block.name or '(unnamed)'}")
         s = min(seam, T)
-        if s:
+        if s and block.rope_positions is None:
             self.text(block.ids[:s])  # the seam: fresh, against the full preceding context
+        elif s:
+            from kvprobe.composer.images import forward_embeds
+
+            t0 = time.perf_counter()
+            forward_embeds(self.lm, block.embeds[:s], block.rope_positions[:, :s] + (at - block.start), self.cache)
+            self.ids += block.ids[:s]
+            self.timings.seam += time.perf_counter() - t0
         self.logits = None
         if s < T:
             t0 = time.perf_counter()
-            moved = block.kv_at(self.lm, p) if rerotate else list(block.kv)  # per layer (1, H_kv, T, D) x2
+            moved = block.kv_at(self.lm, at) if rerotate else list(block.kv)  # per layer (1, H_kv, T, D) x2
             t1 = time.perf_counter()
             if kvcache.n_layers(self.cache) == 0:
                 self.cache = kvcache.from_tensors([(k[:, :, s:], v[:, :, s:]) for k, v in moved])
@@ -103,6 +118,7 @@ class Composer:
             self.timings.rerotate += t1 - t0
             self.timings.splice += time.perf_counter() - t1
         self.spans.append((p, p + T, block.name))
+        self.next_pos = at + block.span
         assert kvcache.seq_len(self.cache) == len(self.ids)
 
 
@@ -147,6 +163,9 @@ def compose_fused(lm, parts: Sequence[Part], seam: int = 0, rerotate: bool = Tru
         p = len(c.ids)
         if isinstance(part, Block):
             check_block(lm, part)
+            if part.scheme != "rope":
+                raise KvprobeError(f"block {part.name or '(unnamed)'} is an image block (M-RoPE); the fused path "
+                                   f"places text blocks only: compose it part by part (compose)")
             s = min(seam, len(part))
             fresh_ids += part.ids[:s]
             fresh_pos += range(p, p + s)

@@ -1,0 +1,150 @@
+"""Image blocks (issue 32): an image's KV precompiled under M-RoPE, stored with its content hash and
+position scheme, spliced through the composer at other positions and against the model's own full
+multimodal prefill (tiny-qwen2_vl with its vision tower, images made here through its image
+processor)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from kvprobe import composer
+from kvprobe.composer import images
+from kvprobe.composer import store as block_store
+from kvprobe.errors import KvprobeError, UsageError
+from kvprobe.kv import cache as kvcache
+from tests.conftest import tiny_model
+
+TOL = 1e-4  # tests/kv/test_compose.py's tolerance for moved blocks
+SHIFT = 128
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(4, 600, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _max(a, b) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_model("tiny-qwen2_vl")
+
+
+def test_an_image_goes_through_the_models_image_processor_and_is_named_by_its_content(lm):
+    im = images.generated_image(lm, 0)
+    assert im.grid == (1, 8, 8) and tuple(im.pixels.shape) == (64, 96)  # 32 x 32 px, 4-px patches, 2 frames
+    assert images.n_image_tokens(lm, im) == 16 and len(images.image_ids(lm, im)) == 18
+    assert im.sha256 == images.generated_image(lm, 0).sha256 != images.generated_image(lm, 1).sha256
+    with pytest.raises(UsageError, match=r"\(H, W, 3\) uint8"):
+        images.image_from_array(lm, np.zeros((8, 8), dtype=np.uint8))
+    with pytest.raises(UsageError, match="needs a model with M-RoPE and a vision tower"):
+        images.generated_image(tiny_model("tiny-qwen2"), 0)
+
+
+def test_an_image_block_takes_fewer_positions_than_tokens_and_the_text_after_it_continues_there(lm):
+    pre = _ids(3, 0)
+    block = images.precompile_image(lm, images.generated_image(lm, 0), pre)
+    assert (block.scheme, block.start, len(block), block.span) == ("mrope", 3, 18, 6)
+    assert block.rope_positions[:, 0].tolist() == [3, 3, 3] and block.image["grid_thw"] == [1, 8, 8]
+    c = composer.compose(lm, [pre + _ids(10, 1), block, _ids(4, 2)])
+    assert (len(c.ids), c.next_pos) == (3 + 10 + 18 + 4, 3 + 10 + 6 + 4)
+
+
+def test_an_image_block_in_the_context_it_was_precompiled_in_equals_the_full_prefill(lm):
+    pre, q = _ids(3, 0), _ids(5, 2)
+    im = images.generated_image(lm, 0)
+    block = images.precompile_image(lm, im, pre)
+    c = composer.compose(lm, [pre, block, q])
+    assert _max(c.logits, images.multimodal_oracle_logits(lm, composer.context_ids([pre, block, q]), [im])) <= 1e-5
+
+
+def _moved(lm, pre, lead, im, q):
+    """The image block's jointly computed KV from a prefill SHIFT positions later (all three axes),
+    and the whole prompt's ids."""
+    bids = images.image_ids(lm, im)
+    ids = pre + lead + bids + q
+    pos, emb = images.mrope_positions(lm, ids, [im]), images.input_embeds(lm, ids, [im])
+    cache = kvcache.new_cache()
+    images.forward_embeds(lm, emb, pos + SHIFT, cache)
+    lo, hi = len(pre + lead), len(pre + lead) + len(bids)
+    return images.image_block_from_cache(lm, cache, bids, lo, pos[:, lo:hi] + SHIFT, emb[lo:hi], im), ids
+
+
+def test_an_image_block_moved_by_128_positions_and_rerotated_equals_the_full_prefill(lm):
+    """Re-rotated by its M-RoPE shift: the fresh prefill's logits; not re-rotated, or with the text
+    after it placed by token count (1-D RoPE's view of the prompt), far off: the check can fail."""
+    pre, lead, q = _ids(3, 0), _ids(40, 1), _ids(5, 2)
+    im = images.generated_image(lm, 0)
+    block, ids = _moved(lm, pre, lead, im, q)
+    oracle = images.multimodal_oracle_logits(lm, ids, [im])
+    assert _max(composer.compose(lm, [pre + lead, block, q]).logits, oracle) <= TOL
+    assert _max(composer.compose(lm, [pre + lead, block, q], rerotate=False).logits, oracle) > 10 * TOL
+    by_tokens = dataclasses.replace(block, rope_positions=None, embeds=None, image=None, _rotated={})
+    assert _max(composer.compose(lm, [pre + lead, by_tokens, q]).logits, oracle) > 10 * TOL
+
+
+def test_image_and_text_blocks_with_the_whole_block_as_seam_equal_the_full_prefill(lm):
+    """Two images precompiled alone and a text block between them, behind a lead: with the seam
+    over every block (fed fresh, image tokens from their stored embeddings), the full prefill."""
+    pre, lead, skill, q = _ids(3, 0), _ids(30, 1), _ids(20, 3), _ids(5, 2)
+    a, b = images.generated_image(lm, 0), images.generated_image(lm, 1)
+    parts = [pre + lead, images.precompile_image(lm, a, pre), composer.precompile(lm, skill, pre),
+             images.precompile_image(lm, b, pre), q]
+    oracle = images.multimodal_oracle_logits(lm, composer.context_ids(parts), [a, b])
+    assert _max(composer.compose(lm, parts, seam=len(skill)).logits, oracle) <= 1e-5  # >= every block
+    partial = composer.compose(lm, parts, seam=4)
+    assert partial.timings.seam > 0 and len(partial.ids) == len(composer.context_ids(parts))
+
+
+def test_the_store_keeps_an_image_blocks_content_hash_and_scheme_and_refuses_a_1d_model(lm, tmp_path):
+    pre, q = _ids(3, 0), _ids(5, 2)
+    im = images.generated_image(lm, 0)
+    block = images.precompile_image(lm, im, pre, name="photo")
+    path = block_store.save_block(block, lm, tmp_path / f"photo{block_store.SUFFIX}")
+    header = block_store.read_header(path)
+    assert (header["format"], header["scheme"]) == ("kvprobe-block/2", "mrope")
+    assert header["image"] == {"sha256": im.sha256, "grid_thw": [1, 8, 8]}
+    assert header["positions"] == block.rope_positions.tolist()
+    got = block_store.load_block(path, lm)
+    assert torch.equal(got.rope_positions, block.rope_positions) and torch.equal(got.embeds, block.embeds)
+    assert all(torch.equal(x, y) and torch.equal(u, w) for (x, u), (y, w) in zip(got.kv, block.kv))
+    assert torch.equal(composer.compose(lm, [pre, got, q], seam=2).logits,
+                       composer.compose(lm, [pre, block, q], seam=2).logits)
+    with pytest.raises(KvprobeError, match=r"M-RoPE image block; tiny-qwen2 rotates by one position id"):
+        block_store.load_block(path, tiny_model("tiny-qwen2"))
+    text = block_store.save_block(composer.precompile(lm, q, pre), lm, tmp_path / f"text{block_store.SUFFIX}")
+    assert block_store.read_header(text)["scheme"] == "rope"  # text blocks of the same model: one id each
+
+
+def test_refusals_name_the_scheme(lm):
+    pre, q = _ids(3, 0), _ids(5, 2)
+    block = images.precompile_image(lm, images.generated_image(lm, 0), pre)
+    with pytest.raises(KvprobeError, match="is an M-RoPE image block; tiny-llama rotates by one position id"):
+        composer.compose(tiny_model("tiny-llama"), [pre, block, q])
+    with pytest.raises(KvprobeError, match="image block .M-RoPE.; the fused path places text blocks only"):
+        composer.compose_fused(lm, [pre, block, q])
+    with pytest.raises(UsageError, match="needs a model with M-RoPE and a vision tower"):
+        images.precompile_image(tiny_model("tiny-llama"), images.Image(torch.zeros(64, 96), (1, 8, 8)), pre)
+    with pytest.raises(KvprobeError, match=r"M-RoPE positions must be \(3, 18\)"):
+        dataclasses.replace(block, rope_positions=block.rope_positions[:, 1:], _rotated={})
+
+
+def test_a_text_forward_after_an_image_prompt_is_not_shifted_by_the_models_stored_offset(lm):
+    """The model keeps the M-RoPE offset of the last image prompt (rope_deltas) and adds it to a
+    later forward that passes no positions; kvprobe's image calls put it back, so the text paths
+    (which rely on the default positions) read the same logits before and after."""
+    ids = _ids(20, 5)
+    before = composer.oracle_logits(lm, ids)
+    im = images.generated_image(lm, 0)
+    images.multimodal_oracle_logits(lm, _ids(3, 0) + images.image_ids(lm, im) + _ids(5, 2), [im])
+    images.precompile_image(lm, im, _ids(3, 0))
+    assert lm.model.model.rope_deltas is None
+    _, cache = kvcache.prefill(lm.model, torch.tensor(ids[:-1]))
+    out = kvcache.forward(lm.model, torch.tensor([ids[-1:]]), cache)
+    assert torch.equal(composer.oracle_logits(lm, ids), before)
+    assert _max(out.logits[0, -1], before) <= 1e-5
