@@ -489,6 +489,8 @@ def inputs(s: Path) -> list[Bad]:
             quote="astrology"),
         Bad(["validate", *tiny, "--seams", "x", "--out", "v-opt"], "validate --seams x", 2),
         Bad(["validate", *tiny, "--block-tokens", "5", "--out", "v-opt"], "validate --block-tokens 5", 2),
+        Bad(["validate", *tiny, "--images", "1", "--out", "v-img"], "validate --images on a model without M-RoPE", 2,
+            quote="--images needs a model with M-RoPE"),
         Bad(["toy", "eval", "--family", "qwen2", "--folder", "toy-copy"], "toy eval with --family and --folder", 2),
         Bad(["serve-bench", "--model", "smollm2-135m", "--url", "ftp://host:1", "--out", "sb"],
             "serve-bench --url that is not http(s)", 2),

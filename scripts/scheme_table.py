@@ -16,6 +16,14 @@ the same prompt, for
   rotated, base theta, no scaling): the re-rotation made wrong on purpose. It equals *moved* where
   the model's RoPE is plain, and must be far off where it is not (partial, llama3, YaRN).
 
+The **image block** row (tiny-qwen2_vl with its vision tower, M-RoPE, images generated and put
+through the model's image processor) compares with the model's own full multimodal prefill (pixel
+values in, its positions computed by the model): *edit* is a text field after the image recomputed
+with every token at its M-RoPE position; *moved* and *seam* as above with image blocks spliced
+through the composer (the seam's image tokens fed from the block's stored input embeddings); the
+wrong-on-purpose column places the text after the image by token count, as 1-D RoPE would (an
+image takes fewer positions than tokens).
+
 Prints the table and, with ``--doc``, writes it between the markers of that page.
 tests/families/test_schemes.py asserts every *edit*, *moved* and *seam* within the tolerance the
 family tests use, and every non-plain scheme's *plain RoPE* far outside it.
@@ -126,8 +134,67 @@ def checks(lm) -> dict:
             "seam": seam, "plain": wrong}
 
 
+def _image_layout(lm):
+    from kvprobe.composer import images
+
+    pre, lead, b1, _, q = _layout(lm, seed=2)
+    return pre, lead, q, images.generated_image(lm, 0), images.generated_image(lm, 1)
+
+
+def _image_moved(lm, by_tokens: bool = False) -> float:
+    """An image block's jointly computed KV from a prefill SHIFT positions later (all three axes),
+    re-rotated back and spliced; ``by_tokens``: the text after it placed by token count."""
+    import dataclasses
+
+    from kvprobe import composer
+    from kvprobe.composer import images
+    from kvprobe.kv import cache as kvcache
+
+    pre, lead, q, im, _ = _image_layout(lm)
+    bids = images.image_ids(lm, im)
+    ids = pre + lead + bids + q
+    pos, emb = images.mrope_positions(lm, ids, [im]), images.input_embeds(lm, ids, [im])
+    cache = kvcache.new_cache()
+    images.forward_embeds(lm, emb, pos + SHIFT, cache)
+    lo, hi = len(pre + lead), len(pre + lead) + len(bids)
+    block = images.image_block_from_cache(lm, cache, bids, lo, pos[:, lo:hi] + SHIFT, emb[lo:hi], im)
+    if by_tokens:
+        block = dataclasses.replace(block, rope_positions=None, embeds=None, image=None, _rotated={})
+    c = composer.compose(lm, [pre + lead, block, q])
+    return _maxdiff(c.logits, images.multimodal_oracle_logits(lm, ids, [im]))
+
+
+def image_checks(lm) -> dict:
+    """The four numbers of the image block row (see the module docstring)."""
+    from kvprobe import composer
+    from kvprobe.composer import images
+    from kvprobe.kv import cache as kvcache
+    from kvprobe.kv.recompute import recompute_positions
+
+    torch.set_grad_enabled(False)
+    pre, lead, q, im, other = _image_layout(lm)
+    bids = images.image_ids(lm, im)
+    old, new = pre + lead + bids + [41, 42, 43] + q, pre + lead + bids + [41, 77, 43] + q
+    pos = images.mrope_positions(lm, new, [im])
+    D, field = len(new) - 1, len(pre + lead + bids) + 1
+    cache = kvcache.new_cache()
+    images.forward_embeds(lm, images.input_embeds(lm, old[:D], [im]), pos[:, :D], cache)
+    repaired = recompute_positions(lm, cache, new, list(range(field, D)), rope_positions=pos[:, None, :D])
+    out = lm.model(input_ids=torch.tensor([new[D:]]), position_ids=pos[:, None, D:], use_cache=True,
+                   **{kvcache.CACHE_KWARG: repaired})
+    edit = _maxdiff(out.logits[0, -1], images.multimodal_oracle_logits(lm, new, [im]))
+    parts = [pre + lead, images.precompile_image(lm, im, pre), composer.precompile(lm, lead[:20], pre),
+             images.precompile_image(lm, other, pre), q]
+    seam = composer.compose(lm, parts, seam=max(len(p) for p in parts[1:-1]))
+    seam = _maxdiff(seam.logits, images.multimodal_oracle_logits(lm, composer.context_ids(parts), [im, other]))
+    return {"model": f"{lm.info.spec} (image block)", "family": lm.info.family,
+            "scheme": "M-RoPE (3 axes), an image of 16 tokens taking 4 positions", "edit": edit,
+            "moved": _image_moved(lm), "seam": seam, "plain": _image_moved(lm, by_tokens=True)}
+
+
 def table(rows: list[dict]) -> list[str]:
-    out = [f"| model | family | scheme | edit | moved by {SHIFT} | seam | moved, plain RoPE (wrong on purpose) |",
+    out = [f"| model | family | scheme | edit | moved by {SHIFT} | seam | moved, plain RoPE or (image) placed by "
+           f"tokens: wrong on purpose |",
            "|---|---|---|---:|---:|---:|---:|"]
     for r in rows:
         out.append(f"| {r['model']} | {r['family']} | {r['scheme']} | {r['edit']:.1e} | {r['moved']:.1e} | "
@@ -142,7 +209,7 @@ def main() -> int:
     from kvprobe.hardware import cpu_line
     from kvprobe.models import load_model, tiny_names
 
-    rows = [checks(load_model(name)) for name in tiny_names()]
+    rows = [checks(load_model(name)) for name in tiny_names()] + [image_checks(load_model("tiny-qwen2_vl"))]
     lines = table(rows)
     print(cpu_line())
     print("\n".join(lines))

@@ -171,3 +171,14 @@ def test_a_sliding_window_the_family_file_does_not_declare_is_refused(tmp_path):
     assert proc.returncode == 3 and len(lines) == 1, (proc.returncode, proc.stderr[-2000:])
     assert "sets a sliding window of 16 tokens that the family file of 'starcoder2' does not declare" in lines[0]
     assert not out.exists()
+
+
+def test_the_image_block_row_equals_the_models_own_multimodal_prefill_and_placing_by_tokens_fails():
+    """scripts/scheme_table.py's image block row (tiny-qwen2_vl, M-RoPE): a text field edit after
+    the image, an image block moved by 128 positions and image blocks with a repaired seam, each
+    against the model's own full multimodal prefill, within the same tolerances; the text after the
+    image placed by token count (1-D RoPE's view) at least ten times the tolerance off."""
+    r = scheme_table.image_checks(tiny_model("tiny-qwen2_vl"))
+    assert r["edit"] <= scheme_table.TOL_EDIT and r["moved"] <= scheme_table.TOL_MOVED and \
+        r["seam"] <= scheme_table.TOL_SEAM, r
+    assert r["plain"] > 10 * scheme_table.TOL_MOVED and r["plain"] > 1000 * r["moved"], r

@@ -148,3 +148,51 @@ def test_a_text_forward_after_an_image_prompt_is_not_shifted_by_the_models_store
     out = kvcache.forward(lm.model, torch.tensor([ids[-1:]]), cache)
     assert torch.equal(composer.oracle_logits(lm, ids), before)
     assert _max(out.logits[0, -1], before) <= 1e-5
+
+
+def test_validate_with_image_blocks_composes_them_resumes_and_refuses_a_model_without_mrope(tmp_path, monkeypatch):
+    """``kvprobe validate --images 1`` on tiny-qwen2_vl: every query holds an image block (18 tokens
+    that take 6 positions) and its skills; with the seam over every block, the composed context is
+    the model's own multimodal prefill (top-1 and cosine 1); with no seam it is not (tiny random
+    weights: only mechanics are claimed). A rerun resumes from the parts and the stored blocks (the
+    image files carry scheme and content hash); a model without M-RoPE is refused in one line."""
+    import pandas as pd
+    from typer.testing import CliRunner
+
+    from kvprobe.cli.app import app
+    from kvprobe.composer import gate
+    from kvprobe.results import COMPOSE
+
+    out = tmp_path / "v"
+    args = ["validate", "--model", "tiny-qwen2_vl", "--n", "4", "--images", "1", "--seams", "0,64", "--seam", "64",
+            "--block-tokens", "20,30", "--blocks", "1,2", "--threshold", "0", "--out", str(out)]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    df = pd.read_parquet(out / COMPOSE)
+    full = df[df.seam == 64]  # longer than every block (skills run past --block-tokens' 30 by a few)
+    assert len(full) == 8 and full.top1_agree.all() and (full.cosine > 1 - 1e-6).all() and full.agree.all()
+    assert (df[(df.seam == 0) & df.rerotate].cosine < 1 - 1e-4).all()
+    stored = [block_store.read_header(p) for p in sorted((out / "blocks").glob(f"image-*{block_store.SUFFIX}"))]
+    assert len(stored) == 2 and all(h["scheme"] == "mrope" and h["image"]["grid_thw"] == [1, 8, 8] for h in stored)
+    assert json_manifest(out)["images"] == 1
+
+    def boom(*a, **k):
+        raise AssertionError("recomputed")
+
+    monkeypatch.setattr(images, "precompile_image", boom)
+    monkeypatch.setattr(images, "multimodal_oracle_logits", boom)
+    monkeypatch.setattr(gate, "precompile", boom)
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    pd.testing.assert_frame_equal(pd.read_parquet(out / COMPOSE).drop(columns=["wall_s", "oracle_wall_s"]),
+                                  df.drop(columns=["wall_s", "oracle_wall_s"]))
+    res = CliRunner().invoke(app, [*args[:2], "tiny-llama", *args[3:-1], str(tmp_path / "llama")])
+    assert isinstance(res.exception, UsageError)  # exit 2 through the entry point (scripts/bad_inputs.py)
+    assert "--images needs a model with M-RoPE and a vision tower" in str(res.exception)
+    assert not (tmp_path / "llama" / COMPOSE).exists()
+
+
+def json_manifest(out):
+    import json
+
+    return json.loads((out / "compose_manifest.json").read_text())

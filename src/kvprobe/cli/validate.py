@@ -35,6 +35,8 @@ def validate(ctx: typer.Context, model: opt.Model = opt.DEFAULTS["model"],
              form: opt.Form = opt.DEFAULTS["form"],
              attn: str = typer.Option("eager", help="attention implementation: eager or sdpa"),
              store: bool = typer.Option(True, help="save every block to <out>/blocks and compose from the files"),
+             images: int = typer.Option(0, min=0, help="image blocks per query, after its lead (a model with M-RoPE "
+                                                       "and a vision tower: tiny-qwen2_vl); generated images"),
              dtype: opt.Dtype = "float32", device: opt.Device = "cpu", device_map: opt.DeviceMap = "none",
              allow_failed_toy: opt.AllowFailedToy = False,
              out: opt.Out = None, executor: opt.Executor = "serial", workers: opt.Workers = 2,
@@ -61,26 +63,32 @@ def validate(ctx: typer.Context, model: opt.Model = opt.DEFAULTS["model"],
     out = usable_out(out or opt.default_out("validate", model))
     # what the per-query parts depend on; a rerun into the same --out resumes only if it matches
     config = {"model": model, "n": n, "seed": seed, "seams": seam_list, "block_tokens": bt, "n_blocks": nb,
-              "form": form, "attn": attn, "store": store}
+              "form": form, "attn": attn, "store": store, **({"images": images} if images else {})}
     folder = ResultsFolder(out, VALIDATE_CLAIM, config, held="validate run with other settings", dtype=dtype)
     folder.check()  # before loading
     ex = executor_for(ctx, executor, workers, ray_address, gpus_per_worker, threads_per_worker, retries)
     lm = load_with_status(model, dtype, device, attn=attn, allow_failed_toy=allow_failed_toy, device_map=device_map)
     check_composable(lm)
+    if images:
+        from kvprobe.composer.images import check_mrope
+
+        check_mrope(lm, "--images")
     folder.claim(lm)  # its queries come from the seed, a claim setting; the model from its content
     start = time.perf_counter()
     with ex, progress_bar() as bar:
-        pre = bar.add_task("precompiling skills", total=None)
+        pre = bar.add_task("precompiling skills" + (" and images" if images else ""), total=None)
         task = bar.add_task(f"composing {n} queries x {len(seam_list)} seams x 2", total=n)
         df = run_compose(lm, n=n, seed=seed, seams=seam_list, block_tokens=tuple(bt), n_blocks=tuple(nb),
                          form=form, store_dir=out / "blocks" if store else None, model_name=model,
                          parts=folder.parts("compose"), on_query=lambda: bar.advance(task),
-                         on_precompile=lambda i, total: bar.update(pre, completed=i, total=total), executor=ex)
+                         on_precompile=lambda i, total: bar.update(pre, completed=i, total=total), executor=ex,
+                         images=images)
     path = atomic_write_parquet(df, out / COMPOSE)
     summary = summarize_compose(df)
     folder.write(COMPOSE_MANIFEST, folder.manifest(
         lm, **version_entry(COMPOSE_MANIFEST), command="validate", n=n, seed=seed, seams=seam_list, gated_seam=seam,
-        threshold=threshold, block_tokens=bt, n_blocks=nb, form=form, attn=attn, wall_s=time.perf_counter() - start,
+        threshold=threshold, block_tokens=bt, n_blocks=nb, form=form, attn=attn, images=images,
+        wall_s=time.perf_counter() - start,
         summary=summary.to_dict("records"), executor=ex.describe()))
     table = Table(title=f"composed vs full recompute: {model} ({df.query_id.nunique()} queries, "
                         f"{int(df.context_tokens.median())} median context tokens)")

@@ -11,8 +11,10 @@ from text parts (prefilled as usual) and blocks (spliced), in order::
                 they are; the first s tokens (the seam) are fed        + (T - s) spliced entries
                 fresh against everything before, the rest spliced
 
-RoPE positions always equal cache indices (blocks sit back to back with the text between
-them), so plain forwards and masks by index are exact. The decision logits come from the last
+RoPE positions equal cache indices (blocks sit back to back with the text between them), so
+plain forwards and masks by index are exact; the one exception is an image block under M-RoPE
+(:mod:`kvprobe.composer.images`), whose tokens take fewer positions than tokens: every part is
+placed at the composer's ``next_pos`` and the mask still goes by index. The decision logits come from the last
 text part (the query). :class:`Composer` goes part by part (:func:`compose`);
 :func:`compose_fused` gives the same cache and logits (to float rounding, tested) with one
 forward pass over all fresh tokens, which is what the TTFT benchmark times.

@@ -45,7 +45,7 @@ def run_compose(lm, n: int = 50, seed: int = 0, seams: Sequence[int] = SEAMS,
                 block_tokens: tuple[int, int] = (200, 400), n_blocks: tuple[int, int] = (1, 4),
                 rerotate: Sequence[bool] = (True, False), form: str = "auto", store_dir=None,
                 model_name: str | None = None, on_query: Callable[[], None] | None = None,
-                on_precompile: Callable[[int, int], None] | None = None, parts=None, executor=None):
+                on_precompile: Callable[[int, int], None] | None = None, parts=None, executor=None, images: int = 0):
     """Compose the composition dataset's skills and compare with full recompute.
 
     One row per (query, seam, rerotate): decision agreement with the oracle (over the options),
@@ -56,12 +56,24 @@ def run_compose(lm, n: int = 50, seed: int = 0, seams: Sequence[int] = SEAMS,
     and skipped on a rerun, and a skill already in ``store_dir`` is loaded, not recomputed, so an
     interrupted run resumes where it stopped. ``executor`` (:mod:`kvprobe.executor`; serial by
     default) composes the queries: the blocks are precompiled here, once, and travel to its workers.
+    ``images`` (M-RoPE models with a vision tower only: tiny-qwen2_vl) puts that many image blocks
+    in every query, right after its lead: a pool of twice as many generated images
+    (:func:`kvprobe.composer.images.generated_image`, seeded from ``seed``) is precompiled behind
+    the preamble like the skills (and stored), query i takes images i, i + 1, ... of the pool, and
+    the oracle is the model's own full multimodal prefill with their pixel values.
     Returns a pandas DataFrame with :data:`COLUMNS`.
     """
     check_composable(lm)
     seams = sorted({int(s) for s in seams})
     if not seams or seams[0] < 0:
         raise UsageError(f"seams must be integers >= 0, got {list(seams)}")
+    if images < 0:
+        raise UsageError(f"images must be >= 0, got {images}")
+    if images:
+        from kvprobe.composer import images as imaging
+
+        imaging.check_mrope(lm, "--images")
+        pool = [imaging.generated_image(lm, seed * 1009 + k) for k in range(2 * images)]
     data = generate_compose(n, seed=seed, tokenizer=lm.tokenizer, block_tokens=block_tokens, n_blocks=n_blocks)
     segs = segments(data, lm.tokenizer, form)
     options = {opt: option_token_ids(lm.tokenizer, opt) for opt in data.options}
@@ -73,7 +85,13 @@ def run_compose(lm, n: int = 50, seed: int = 0, seams: Sequence[int] = SEAMS,
     for i, sid in enumerate(used):
         blocks[sid] = _skill_block(lm, segs, sid, store_dir)
         if on_precompile:
-            on_precompile(i + 1, len(used))
+            on_precompile(i + 1, len(used) + (len(pool) if images else 0))
+    shown = {q.query_id: [pool[(i + j) % len(pool)] for j in range(images)] if images else []
+             for i, q in enumerate(data.queries)}
+    for i, image in enumerate(pool if images and todo else []):
+        blocks[image.sha256] = _image_block(lm, image, segs.preamble, store_dir)
+        if on_precompile:
+            on_precompile(len(used) + i + 1, len(used) + len(pool))
     frames = list(finished.values())
     for _ in frames:
         if on_query:
@@ -83,10 +101,17 @@ def run_compose(lm, n: int = 50, seed: int = 0, seams: Sequence[int] = SEAMS,
         lm = ctx.lm
         rows = []
         qs = segs.queries[q.query_id]
-        pieces = [qs.lead, *(blocks[s] for s in q.skills), qs.query]
+        pictures = shown[q.query_id]
+        placed = [*(im.sha256 for im in pictures), *q.skills]  # the blocks, in order: images, then skills
+        pieces = [qs.lead, *(blocks[b] for b in placed), qs.query]
         ids = segs.preamble + context_ids(pieces)
         t0 = time.perf_counter()
-        oracle = oracle_logits(lm, ids)
+        if pictures:
+            from kvprobe.composer.images import multimodal_oracle_logits
+
+            oracle = multimodal_oracle_logits(lm, ids, pictures)
+        else:
+            oracle = oracle_logits(lm, ids)
         oracle_wall = time.perf_counter() - t0
         oracle_answer, oracle_margin = _decide(oracle, options)
         base = Composer(lm)
@@ -95,15 +120,15 @@ def run_compose(lm, n: int = 50, seed: int = 0, seams: Sequence[int] = SEAMS,
             for s in seams:
                 t0 = time.perf_counter()
                 c = base.copy()
-                for sid in q.skills:
-                    c.block(blocks[sid], s, rot)
+                for b in placed:
+                    c.block(blocks[b], s, rot)
                 logits = c.text(qs.query)
                 wall = time.perf_counter() - t0
                 assert c.ids == ids
                 answer, margin = _decide(logits, options)
                 rows.append({
                     "model": model_name or lm.info.spec, "query_id": q.query_id, "domain": q.domain, "kind": q.kind,
-                    "n_blocks": len(q.skills), "block_tokens": sum(len(blocks[s]) for s in q.skills),
+                    "n_blocks": len(placed), "block_tokens": sum(len(blocks[b]) for b in placed),
                     "context_tokens": len(ids), "seam": s, "rerotate": bool(rot), "agree": answer == oracle_answer,
                     "top1_agree": int(logits.argmax()) == int(oracle.argmax()), **compare(logits, oracle),
                     "answer": answer, "oracle_answer": oracle_answer, "expected": q.expected, "margin": margin,
@@ -135,6 +160,25 @@ def _skill_block(lm, segs, sid: str, store_dir) -> Block:
         raise KvprobeError(f"{path} holds another block than skill {sid} of this dataset; "
                            f"use another --out or remove {path.parent}")
     save_block(precompile(lm, segs.skills[sid], segs.preamble, name=sid), lm, path)
+    return load_block(path, lm)
+
+
+def _image_block(lm, image, preamble, store_dir) -> Block:
+    """The image's block, as :func:`_skill_block` does a skill's: loaded from ``store_dir`` when a
+    file of that image (its sha256) is there, else precompiled (and saved and loaded back)."""
+    from kvprobe.composer.images import precompile_image
+
+    name = f"image-{image.sha256[7:19]}"
+    if store_dir is None:
+        return precompile_image(lm, image, preamble, name=name)
+    path = store_path(store_dir, name)
+    if path.exists():
+        block = load_block(path, lm)
+        if (block.image or {}).get("sha256") == image.sha256 and block.preamble == [int(i) for i in preamble]:
+            return block
+        raise KvprobeError(f"{path} holds another block than image {image.sha256}; use another --out or remove "
+                           f"{path.parent}")
+    save_block(precompile_image(lm, image, preamble, name=name), lm, path)
     return load_block(path, lm)
 
 
