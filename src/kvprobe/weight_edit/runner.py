@@ -82,8 +82,9 @@ def weight_edit_case(lm, a: AlignedCase, strategies: Sequence[Strategy], setting
     kv["contamination_basis"] = BY_CONSTRUCTION
     reads = {label: timed_read(lm, apply(ctx, s))[0] for label, s in (("stale", Stale()), ("oracle", Oracle()))}
     ref = Reference.of(a, reads["stale"], reads["oracle"], min_flip, lm.tokenizer)
-    if a.case.control or not bool(kv["valid"].iloc[0]):  # the edit table's validity, read once
-        return kv.reindex(columns=[*kv.columns, *[c for c in WEIGHT_COLUMNS if c not in kv.columns]])
+    columns = [*kv.columns, *[c for c in WEIGHT_COLUMNS if c not in kv.columns]] if len(kv) else None
+    if a.case.control or not ref.valid:
+        return kv.reindex(columns=columns) if columns else kv
     other_prompts = [p for o in other_cases for p in prompts(o)]
     base = list(base_decisions) if base_decisions is not None else decisions(lm, other_prompts)
     assert len(base) == len(other_prompts), (len(base), len(other_prompts))
@@ -95,16 +96,15 @@ def weight_edit_case(lm, a: AlignedCase, strategies: Sequence[Strategy], setting
     changed = sum(x != y for x, y in zip(base, after))
     edited = Edited(None, [], a.decision_pos, end, wall_s=f.fit_s, setup_s=wrap_s + f.optimizer_s,
                     note=f"{f.steps} step(s), lr {settings.lr:g}, targets {','.join(settings.targets)}")
-    row = score_row(ref, settings, edited, f.logits, f.decide_s) | {
-        "method": "lora", "setup_s": edited.setup_s, "steps": f.steps, "reached": f.reached,
-        "final_loss": f.losses[-1], "contamination_changed": changed, "contamination_n": len(after),
-        "contamination": changed / len(after) if after else float("nan"), "contamination_basis": MEASURED}
+    case = a.case
+    row = {"model": model_name, "case_id": case.case_id, **score_row(ref, settings, edited, f.logits, f.decide_s),
+           "domain": case.domain, "field": case.field, "control": case.control, "template_id": case.template_id,
+           "cot": 0, "valid": ref.valid, "n_tokens": len(a.ids_old), "kind": "decision", "method": "lora",
+           "setup_s": edited.setup_s, "steps": f.steps, "reached": f.reached, "final_loss": f.losses[-1],
+           "contamination_changed": changed, "contamination_n": len(after),
+           "contamination": changed / len(after) if after else float("nan"), "contamination_basis": MEASURED}
     lora = pd.DataFrame([row])
-    for col in kv.columns:
-        if col not in lora.columns:
-            lora[col] = kv[col].iloc[0]
-    return pd.concat([kv, lora[kv.columns.union(lora.columns, sort=False)]], ignore_index=True).reindex(
-        columns=[*kv.columns, *[c for c in WEIGHT_COLUMNS if c not in kv.columns]])
+    return pd.concat([kv, lora], ignore_index=True).reindex(columns=columns or list(lora.columns))
 
 
 def run_weight_edits(lm, cases: Sequence[EditCase], strategies: Sequence[Strategy | str] = DEFAULT_KV_STRATEGIES,
