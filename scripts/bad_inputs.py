@@ -249,6 +249,8 @@ def prepare(s: Path, say) -> None:
     # --executor ray where Ray is not installed: a stand-in package that fails to import, first on PYTHONPATH
     (s / "no-ray" / "ray").mkdir(parents=True)
     (s / "no-ray" / "ray" / "__init__.py").write_text('raise ImportError("No module named \'ray\' (stand-in)")\n')
+    (s / "no-peft" / "peft").mkdir(parents=True)
+    (s / "no-peft" / "peft" / "__init__.py").write_text('raise ImportError("No module named \'peft\' (stand-in)")\n')
 
 
 def _prepare_options(s: Path) -> None:
@@ -606,6 +608,16 @@ def inputs(s: Path) -> list[Bad]:
                "1 GPU(s)", None),
               (["--executor", "ray"], "--executor ray where Ray is not installed", 4, "kvprobe[ray]",
                {"PYTHONPATH": "no-ray"}))],
+        # kvprobe weight-edit (issue 33): refused before the model is loaded or the folder claimed
+        *[Bad(["weight-edit", "--model", "toy-qwen2", "--n", "2", "--out", "we-out", *extra], what, code, quote=quote,
+              env=env)
+          for extra, what, code, quote, env in (
+              (["--lora-rank", "0"], "weight-edit --lora-rank 0", 2, "--lora-rank", None),
+              (["--steps", "0"], "weight-edit --steps 0", 2, "--steps", None),
+              (["--lr", "0"], "weight-edit --lr 0", 2, "--lr 0", None),
+              (["--lora-targets", "q,mlp"], "weight-edit --lora-targets naming no attention projection", 2,
+               "q,mlp", None),
+              ([], "weight-edit where peft is not installed", 4, "kvprobe[weight-edit]", {"PYTHONPATH": "no-peft"}))],
     ]
 
 

@@ -32,6 +32,7 @@ SWEEP = "sweep.parquet"  # kvprobe sweep: one row per cell x case x measure
 SWEEP_SUMMARY = "sweep_summary.parquet"  # one row per cell x measure, with 95% CIs
 CALIBRATION = "calibration.parquet"  # kvprobe calibrate: one row per (field, pair, strategy)
 CALIBRATION_SUMMARY = "calibration_summary.parquet"  # one row per (field, strategy)
+WEIGHT_EDITS = "weight_edits.parquet"  # kvprobe weight-edit: one row per case x arm (KV repairs and a LoRA edit)
 TABLES_SCHEMA = 1  # the version of TABLE_SCHEMAS' columns, in every results table's parquet metadata
 
 
@@ -164,6 +165,13 @@ TABLE_SCHEMAS: dict[str, TableSchema] = {
                                              "frac_recomputed to_decision_s oracle_s seconds",
                                       whole="pairs skipped n_changed n_unchanged spurious_flips errors",
                                       flag="chosen"),
+    WEIGHT_EDITS: table_schema("a `kvprobe weight-edit` table",
+                               text="model case_id strategy ranking pred pred_oracle generated error note chose domain "
+                                    "field template_id kind method contamination_basis",
+                               number="m m_stale m_oracle oracle_flip recovery cosine kl tokens_recomputed "
+                                      "frac_recomputed wall_s decide_s setup_s final_loss contamination",
+                               whole="k tokens_total cot n_tokens steps contamination_changed contamination_n",
+                               flag="agree correct rewritten_prompt control valid reached"),
     SWEEP_SUMMARY: table_schema("a `kvprobe sweep` summary", text="cell layout field_style rule_style measure name",
                                 number="downstream_tokens n_tokens agree agree_lo agree_hi recovery recovery_lo "
                                        "recovery_hi frac_recomputed validity case_s",
@@ -184,7 +192,8 @@ UNITS = {"m": "logits", "m_stale": "logits", "m_oracle": "logits", "m_old": "log
          "tokens_recomputed": "tokens (fractional: a check's partial forward counted by its share of layers)",
          "validity": "share (0 to 1)", "hit_rate": "share (0 to 1)", "agree": "share (0 to 1) or true/false",
          "seconds": "seconds", "pairs": "count", "skipped": "count", "errors": "count", "spurious_flips": "count",
-         "change_rate": "share (0 to 1)",
+         "change_rate": "share (0 to 1)", "final_loss": "nats", "steps": "count (optimizer steps)",
+         "contamination": "share (0 to 1)", "contamination_changed": "count", "contamination_n": "count",
          **dict.fromkeys(("recovery", "recovery_lo", "recovery_hi"),
                          "ratio of the oracle's flip (1: the oracle's, 0: the stale cache's; may leave [0, 1])")}
 

@@ -30,6 +30,7 @@ from kvprobe.cli.serve import serve_app, serve_bench
 from kvprobe.cli.sweep import sweep
 from kvprobe.cli.toy import toy_app
 from kvprobe.cli.validate import validate
+from kvprobe.cli.weight_edit import weight_edit
 from kvprobe.errors import EXIT_CODES, KvprobeError
 
 try:  # typer >= 0.20 vendors click, and keeps Exit and Abort in typer.exceptions
@@ -53,6 +54,7 @@ app.add_typer(datasets_app, name="datasets")
 app.add_typer(toy_app, name="toy")
 app.command("run")(run)
 app.command("edit")(edit)
+app.command("weight-edit")(weight_edit)
 app.command("sweep")(sweep)
 app.command("calibrate")(calibrate)
 app.command("diagnose")(diagnose)
