@@ -124,12 +124,13 @@ def print_summary(df, title: str) -> int:
     summ = summarize_weight_edits(df)
     table = Table(title=f"weight edit vs KV repairs: {title}")
     for col in ("arm", "n", "agreement [95% CI]", "to decision ms (median)", "setup ms (median)",
-                "contamination [95% CI] (n)"):
+                "contamination [95% CI] (n)"):  # the CI: bootstrap over edited cases
         table.add_column(col, justify="left" if col == "arm" else "right")
     for r in summ.itertuples():
         if r.contamination_basis == "measured":
             cont = (f"{r.contamination:.3f} [{r.contamination_lo:.3f}, {r.contamination_hi:.3f}] "
-                    f"({r.contamination_n})" if r.contamination_n else "not measured (0)")
+                    f"({r.contamination_n} cases, {r.contamination_reads} reads)" if r.contamination_n
+                    else "not measured (0)")
         else:
             cont = "0 (by construction: request-local)"
         setup = "-" if math.isnan(r.setup_s) else f"{1000 * r.setup_s:.1f}"
@@ -139,6 +140,7 @@ def print_summary(df, title: str) -> int:
     lora = summ[summ.method == "lora"]
     for r in lora.itertuples():
         console.print(f"{r.strategy}: median {r.steps:g} step(s); the edited decision reached in {r.reached:.0%} of "
-                      f"cases; contamination pools every (case, other prompt) read, reads of one adapter are not "
-                      f"independent", highlight=False)
+                      f"cases; contamination is the mean over cases of each adapter's share of other prompts' "
+                      f"decisions changed, its 95% CI a bootstrap over the cases (every adapter reads the same "
+                      f"prompts)", highlight=False)
     return n_valid

@@ -39,7 +39,7 @@ from kvprobe.editor.score import Reference, score_row, timed_read
 from kvprobe.editor.strategies import Oracle, Stale, Strategy, apply, parse_strategy
 from kvprobe.executor import Context, Serial
 from kvprobe.kv.decode import Edited
-from kvprobe.metrics import proportion, proportion_ci
+from kvprobe.metrics import mean_ci, proportion
 from kvprobe.weight_edit.lora import LoraSettings, answer_token, decisions, fit, lora_adapter
 
 WEIGHT_COLUMNS = ["method", "setup_s", "steps", "reached", "final_loss", "contamination_changed", "contamination_n",
@@ -135,22 +135,28 @@ def run_weight_edits(lm, cases: Sequence[EditCase], strategies: Sequence[Strateg
 
 def summarize_weight_edits(df: pd.DataFrame) -> pd.DataFrame:
     """One row per arm (strategy) over the valid decision cases: agreement with the oracle (Wilson
-    95% CI), the median time to the edited decision and setup (seconds), and contamination: pooled
-    over every (case, other prompt) read with its Wilson 95% CI and n, or 0 by construction."""
+    95% CI), the median time to the edited decision and setup (seconds), and contamination, or 0 by
+    construction. Contamination is the mean over edited cases of each adapter's share of changed
+    decisions, with a bootstrap 95% CI over those cases (``contamination_n`` cases; the reads behind
+    them in ``contamination_reads``): every adapter is read on the same other prompts, so the reads
+    are not independent draws and a binomial interval over all of them would be too narrow."""
     sel = df[(df["kind"] == "decision") & df["valid"].astype(bool) & df["error"].isna()]
     rows = []
     for strategy, g in sel.groupby("strategy", sort=False):
         agree = proportion(g["agree"].astype(float))
         basis = g["contamination_basis"].iloc[0]
-        k, n = int(g["contamination_changed"].sum()), int(g["contamination_n"].sum())
-        lo, hi = proportion_ci(k, n) if basis == MEASURED else (0.0, 0.0)
+        reads = int(g["contamination_n"].sum())
+        if basis == MEASURED and reads:
+            share, lo, hi, n = mean_ci(g["contamination"])
+        else:
+            share, lo, hi, n = (0.0 if basis == BY_CONSTRUCTION else float("nan")), 0.0, 0.0, 0
         rows.append({"strategy": strategy, "method": g["method"].iloc[0], "n": len(g), "agreement": agree[0],
                      "agreement_lo": agree[1], "agreement_hi": agree[2],
                      "to_decision_s": float((g["wall_s"] + g["decide_s"]).median()),
                      "setup_s": float(g["setup_s"].median()) if g["setup_s"].notna().any() else float("nan"),
                      "steps": float(g["steps"].median()) if g["steps"].notna().any() else float("nan"),
                      "reached": float(g["reached"].astype(float).mean()) if g["reached"].notna().any() else np.nan,
-                     "contamination": k / n if n else (0.0 if basis == BY_CONSTRUCTION else float("nan")),
-                     "contamination_lo": lo, "contamination_hi": hi, "contamination_n": n,
+                     "contamination": share, "contamination_lo": lo, "contamination_hi": hi, "contamination_n": n,
+                     "contamination_reads": reads,
                      "contamination_basis": basis})
     return pd.DataFrame(rows)
