@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 
+import jsonschema
 import pandas as pd
 import pytest
 import torch
@@ -19,6 +20,7 @@ from kvprobe.editor.strategies import parse_strategy
 from kvprobe.errors import EnvironmentProblem, UsageError
 from kvprobe.executor import Serial
 from kvprobe.models.fingerprint import weights_sha256
+from kvprobe.reports.summary import schema as summary_schema
 from kvprobe.results import CaseStore
 from kvprobe.weight_edit import (LoraSettings, decisions, fit, lora_adapter, require_peft, run_weight_edits,
                                  weight_edit_case)
@@ -166,6 +168,16 @@ def test_weight_edit_end_to_end_resumes_and_refuses_other_settings(tmp_path):
     assert len(lora) >= 1 and (lora.contamination_n == 4).all() and lora.valid.all()
     manifest = json.loads((out / "weight_edit_manifest.json").read_text())
     assert manifest["weights_restored"] is True and manifest["lora_rank"] == 8
+    summary = json.loads((out / "summary.json").read_text())  # the weight_edit fact, on the schema
+    jsonschema.validate(summary, summary_schema())
+    arms = {a["arm"]: a for a in summary["weight_edit"]["arms"]}
+    assert arms["lora:r8"]["contamination"]["n"] == len(lora)
+    assert arms["lora:r8"]["contamination_reads"] == 4 * len(lora)
+    assert arms["erratum"]["contamination"] is None and arms["erratum"]["contamination_basis"] == "by construction"
+    assert summary["headline"] == [summary["weight_edit"]["sentence"]] and "lora:r8 agrees" in summary["headline"][0]
+    assert kvprobe("report", out).returncode == 0
+    page = (out / "report.html").read_text()
+    assert "Weight edit" in page and "0 (by construction)" in page and "lora:r8" in page
     parts = {p.name: p.stat().st_mtime_ns for p in (out / "parts").rglob("*.parquet")}
     again = kvprobe(*args)
     assert again.returncode == 0 and {p.name: p.stat().st_mtime_ns for p in (out / "parts").rglob("*.parquet")} == parts

@@ -100,8 +100,11 @@ def weight_edit(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset =
     folder.write("weight_edit_manifest.json", folder.manifest(
         lm, **folder.settings, weights_restored=restored, loss="cross-entropy of the oracle's answer token",
         skipped=[{"case_id": s.case_id, "reason": s.reason} for s in skipped]))
+    from kvprobe.reports.summary import write_summary
+
+    summary = write_summary(out)
     n_valid = print_summary(df, model)
-    console.print(f"wrote {path} ({WEIGHT_EDITS})")
+    console.print(f"wrote {path} ({WEIGHT_EDITS}) and {summary}")
     if n_valid == 0:
         raise CheckFailed(f"{model} answered no decision case of {dataset} correctly under both values, so no edit "
                           f"can be judged; the table in {path} holds the raw rows")

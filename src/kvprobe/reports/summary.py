@@ -15,6 +15,10 @@ run``, ``summary.json`` and ``kvprobe compare``: a pure function of the folder's
 4. **The composition gate** (``composition``), where the run composed: re-rotated agreement at the
    gated seam against the gate's threshold.
 5. **Validity** (``validity``): how many cases count and why the others were dropped.
+6. **Weight edit** (``weight_edit``), where the folder holds ``kvprobe weight-edit``'s table: per arm
+   (the KV repairs and the LoRA edit) agreement with the oracle, the median time to the edited
+   decision, setup, and contamination (a bootstrap over edited cases; 0 by construction for a KV
+   repair).
 
 ``strategies`` is the main strategy table (the configured strategies, no chain-of-thought, valid
 decision cases; control invariance over the valid controls). Every share is a Wilson 95%
@@ -42,8 +46,8 @@ from kvprobe.sweep.summary import FIELD_ABOVE, NOTES_BELOW, verdict
 
 SUMMARY = "summary.json"
 SCHEMA = Path(__file__).with_name("summary.schema.json")
-SCHEMA_VERSION = 3  # 2: the repair rule needs both legs; per_field, why_not; the run's sizing. 3: durations in
-# seconds (repair_s, to_decision_s), as every other kvprobe file
+SCHEMA_VERSION = 4  # 2: the repair rule needs both legs; per_field, why_not; the run's sizing. 3: durations in
+# seconds (repair_s, to_decision_s), as every other kvprobe file. 4: weight_edit (kvprobe weight-edit folders)
 WHERE = {"takes notes": "downstream notes", "reads the field": "the field", "mixed": "mixed",
          "inconclusive": "inconclusive"}
 TOP_K = 8  # the top-notes figure quoted beside the verdict (the middle K when the run has no 8)
@@ -302,6 +306,38 @@ def composition(run: Run) -> dict | None:
                          f"bound{'' if passed or agree.mean < threshold else ', which is below it'}).")}
 
 
+def weight_edit(run: Run) -> dict | None:
+    """``kvprobe weight-edit``'s arms over the valid decision cases (:func:`summarize_weight_edits`)."""
+    from kvprobe.tables import WEIGHT_EDITS
+    from kvprobe.weight_edit.runner import MEASURED, summarize_weight_edits
+
+    df = run.table(WEIGHT_EDITS)
+    if df.empty:
+        return None
+    summ = summarize_weight_edits(df)
+    if summ.empty:
+        return {"arms": [], "sentence": "Weight edit: no valid decision case, so no arm can be judged."}
+    arms = []
+    for r in summ.itertuples():
+        measured = r.contamination_basis == MEASURED
+        arms.append({
+            "arm": r.strategy, "method": r.method,
+            "agreement": {"value": _num(r.agreement), "lo": _num(r.agreement_lo), "hi": _num(r.agreement_hi),
+                          "n": int(r.n)},
+            "to_decision_s": _num(r.to_decision_s), "setup_s": _num(r.setup_s),
+            "contamination": ({"value": _num(r.contamination), "lo": _num(r.contamination_lo),
+                               "hi": _num(r.contamination_hi), "n": int(r.contamination_n)} if measured else None),
+            "contamination_basis": r.contamination_basis, "contamination_reads": int(r.contamination_reads)})
+    shown = [a for a in arms if a["method"] == "lora"] + [a for a in arms if a["arm"] == "erratum"]
+    sentence = "Weight edit: " + "; ".join(
+        f"{a['arm']} agrees with the oracle {stat_text(a['agreement'])} in {1000 * a['to_decision_s']:.0f} ms"
+        + (f", changing {stat_text(a['contamination'])} of other requests' decisions" if a["contamination"]
+           else "") for a in shown)
+    oracle = [a for a in arms if a["arm"] == "oracle" and a["to_decision_s"] is not None]
+    sentence += (f"; a full re-prefill takes {1000 * oracle[0]['to_decision_s']:.0f} ms" if oracle else "") + "."
+    return {"arms": arms, "sentence": sentence}
+
+
 def validity(run: Run) -> dict | None:
     """How many cases count, and why the others were dropped."""
     m = run.manifest
@@ -364,7 +400,7 @@ def summarize_run(run: Run, threshold: float | None = None) -> dict:
         threshold = float(t) if isinstance(t, (int, float)) and 0 <= t <= 1 else DEFAULT_THRESHOLD
     rows = strategy_rows(run)
     facts = {"where": where(run), "repair": repair(rows, threshold), "k_star": k_star(run, threshold),
-             "composition": composition(run), "validity": validity(run)}
+             "composition": composition(run), "validity": validity(run), "weight_edit": weight_edit(run)}
     return {"kvprobe_summary": SCHEMA_VERSION, "model": run.label, "folder": str(run.folder),
             "fingerprint": run.manifest.get("model") if run.manifest else None, "threshold": threshold,
             **facts, "strategies": rows,
