@@ -14,6 +14,8 @@ A **user** has:
   profile is transplanted into;
 - an **edit**: one fact whose value changes to another value of its vocabulary (of the same token
   length under the tokenizer where one exists, so the field-only repair replaces tokens one for one);
+  with a tokenizer, only values it spells without an unknown token are used (:func:`usable_facts`:
+  the word-level toys know few of them);
 - **questions**, in the house's decision format (``Answer yes or no.``; the decision is the arg-max
   of the options' first-token logits), ``questions_per_user`` of them, of three kinds:
 
@@ -38,6 +40,7 @@ with the profile cut at each value, so a value's token positions are known in ev
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -81,6 +84,10 @@ FACTS = (
          "I was {v} until {month}, but that changed."),
     Fact("pet", "pet", ("cat", "dog", "rabbit"), "Does the user have a {v}?",
          "Our {v} went to live with my parents in {month}."),
+    Fact("region", "home region", ("EU", "UK", "US", "Asia"), "Does the user live in the {v} region?",
+         "I lived in the {v} region until {month}."),
+    Fact("team", "team", ("engineering", "support", "billing"), "Does the user work in {v}?",
+         "I moved out of {v} in {month}."),
     Fact("airline", "preferred airline", ("Lufthansa", "Iberia", "KLM", "Finnair"),
          "Does the user prefer to fly with {v}?", "I stopped flying with {v} in {month}."),
     Fact("employer", "employer", ("Siemens", "Nokia", "Airbus", "Philips"), "Does the user work for {v}?",
@@ -118,7 +125,8 @@ FILLER = (
     ("How do I write a polite reminder email?",
      "Thank them, mention the request and the date, and offer help if needed."),
     ("What is a good name for a chess club?", "Something short, like The Open Files or Knight Shift."),
-    ("Why is the sky blue?", "Air scatters blue light more than red light, so the sky looks blue."),
+    ("How can I learn a few words of a new language quickly?",
+     "Label things at home with their names and say them aloud each day."),
     ("Can you help me plan a tidy desk?", "Keep only what you use daily on it and give every cable a clip."),
     ("How do I fold a fitted sheet?", "Tuck the corners into each other, then fold it like a flat sheet."),
 )
@@ -247,10 +255,25 @@ def _value_length(tokenizer, value: str) -> int:
     return len(tokenizer.encode(f" {value}", add_special_tokens=False))
 
 
-def _user(uid: str, seed: int, tokenizer, sessions: int, session_tokens: tuple[int, int], n_facts: int):
+def usable_facts(tokenizer) -> list[Fact]:
+    """The facts whose values the tokenizer spells (no unknown token), each with only those values,
+    keeping the facts with three or more (an old, a new and an earlier value). A word-level toy
+    tokenizer knows few of the values; a real model's knows them all."""
+    unk = getattr(tokenizer, "unk_token_id", None) if tokenizer is not None else None
+    out = []
+    for f in FACTS:
+        values = tuple(v for v in f.values if unk is None
+                       or unk not in tokenizer.encode(f" {v}", add_special_tokens=False))
+        if len(values) >= 3:
+            out.append(dataclasses.replace(f, values=values))
+    return out
+
+
+def _user(uid: str, seed: int, tokenizer, sessions: int, session_tokens: tuple[int, int], n_facts: int,
+          pool: list[Fact]):
     rng = random.Random(f"memory:{seed}:{uid}")
     count = _counter(tokenizer)
-    facts = rng.sample(FACTS, n_facts)
+    facts = rng.sample(pool, n_facts)
     profile = tuple((f.key, rng.choice(f.values)) for f in facts)
     values = dict(profile)
     edit = rng.choice(facts)
@@ -274,18 +297,19 @@ def _user(uid: str, seed: int, tokenizer, sessions: int, session_tokens: tuple[i
     return user, rng
 
 
-def _questions(user: MemoryUser, rng: random.Random, k: int, start: int, seed: int) -> list[MemoryQuestion]:
+def _questions(user: MemoryUser, rng: random.Random, k: int, start: int, seed: int,
+               pool: dict[str, Fact]) -> list[MemoryQuestion]:
     values, remarked = user.values, {(key, v) for key, v in user.remarks}
     kinds = ["edited", "other", "negative"] + [KINDS[i % 3] for i in range(k - 3)]
     out = []
     for j, kind in enumerate(kinds):
         if kind == "edited":
-            fact = FACT_BY_KEY[user.edit_key]
+            fact = pool[user.edit_key]
             asked = (user.edit_old, user.edit_new)[sum(x == "edited" for x in kinds[:j]) % 2]
             old = OPTIONS[0] if asked == user.edit_old else OPTIONS[1]
             new = OPTIONS[0] if asked == user.edit_new else OPTIONS[1]
         elif kind == "other":
-            fact = FACT_BY_KEY[rng.choice([key for key in values if key != user.edit_key])]
+            fact = pool[rng.choice([key for key in values if key != user.edit_key])]
             wrong = [v for v in fact.values if v != values[fact.key] and (fact.key, v) not in remarked]
             asked = values[fact.key] if rng.random() < 0.5 or not wrong else rng.choice(wrong)
             old = new = OPTIONS[0] if asked == values[fact.key] else OPTIONS[1]
@@ -304,15 +328,17 @@ def generate_memory(n: int, seed: int = 0, tokenizer=None, sessions: int = 3,
     """``n`` questions over ``ceil(n / questions_per_user)`` users (see the module docstring)."""
     session_tokens = tuple(session_tokens)
     check_options(n, sessions, session_tokens, questions_per_user)
-    if not 2 <= n_facts <= len(FACTS):
-        raise UsageError(f"n_facts must be in 2..{len(FACTS)}, got {n_facts}")
+    pool = usable_facts(tokenizer)
+    if not 2 <= n_facts <= len(pool):
+        raise UsageError(f"n_facts must be in 2..{len(pool)} (the facts whose values this tokenizer spells), "
+                         f"got {n_facts}")
     users: dict[str, MemoryUser] = {}
     questions: list[MemoryQuestion] = []
     u = 0
     while len(questions) < n:
-        user, rng = _user(f"user-s{seed}-{u:04d}", seed, tokenizer, sessions, session_tokens, n_facts)
+        user, rng = _user(f"user-s{seed}-{u:04d}", seed, tokenizer, sessions, session_tokens, n_facts, pool)
         users[user.user_id] = user
-        questions += _questions(user, rng, questions_per_user, len(questions), seed)
+        questions += _questions(user, rng, questions_per_user, len(questions), seed, {f.key: f for f in pool})
         u += 1
     questions = questions[:n]
     return MemorySet(SYSTEM, OPTIONS, {k: v for k, v in users.items() if any(q.user_id == k for q in questions)},
