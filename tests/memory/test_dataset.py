@@ -83,8 +83,9 @@ def test_layouts_place_the_profile_early_or_late_and_the_edit_in_it():
     early, late = render(data, q, "early"), render(data, q, "late")
     profile, trajectory = profile_text(user.profile), trajectory_text(user)
     assert early.index(profile) < early.index(trajectory) and late.index(trajectory) < late.index(profile)
-    assert render(data, q, "late", edited=True) == late.replace(
-        f"{FACT_BY_KEY[user.edit_key].label}: {user.edit_old}\n", f"{FACT_BY_KEY[user.edit_key].label}: {user.edit_new}\n")
+    label = FACT_BY_KEY[user.edit_key].label
+    assert render(data, q, "late", edited=True) == late.replace(f"{label}: {user.edit_old}\n",
+                                                                f"{label}: {user.edit_new}\n")
     assert session_text(user.sessions[0], 1).startswith("## Session 1\n")
 
 
