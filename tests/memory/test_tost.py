@@ -1,9 +1,11 @@
-"""TOST for a paired accuracy difference (kvprobe.metrics.tost_paired), on cases worked by hand."""
+"""TOST for a paired accuracy difference (kvprobe.metrics.tost_paired, Tango's score interval), on
+cases worked by hand."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from scipy.stats import norm
 
@@ -18,16 +20,9 @@ def pairs(both: int, only_a: int, only_b: int, neither: int) -> tuple[list[int],
     return a, b
 
 
-def wilson(k: int, n: int, z: float) -> tuple[float, float]:
-    """The Wilson score interval, written out (not scipy's)."""
-    p = k / n
-    mid, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return (mid - half) / (1 + z * z / n), (mid + half) / (1 + z * z / n)
-
-
 def test_no_discordant_pair_in_100_is_equivalent_at_005():
-    """Both arms right on all 100: p1 = p2 = 1, phi = 0 (a zero margin), so the interval is
-    +-(1 - Wilson's lower bound of 100/100) = +-(1 - 100 / (100 + z^2)) = +-0.0263."""
+    """Both arms right on all 100: no discordant pair, so at d > 0 the restricted q is 0 and
+    Z(d) = -n d / sqrt(n d (1 - d)); |Z| = z at d = z^2 / (n + z^2) = 1 - 100 / (100 + z^2) = 0.0263."""
     out = tost_paired(*pairs(100, 0, 0, 0), margin=0.05)
     half = 1 - 100 / (100 + Z90**2)
     assert out["diff"] == 0 and math.isclose(out["hi"], half, rel_tol=1e-9) and math.isclose(out["lo"], -half)
@@ -40,20 +35,27 @@ def test_no_discordant_pair_in_10_is_not_equivalent():
     assert math.isclose(out["hi"], 1 - 10 / (10 + Z90**2), rel_tol=1e-9) and not out["equivalent"]
 
 
-def test_newcombe_interval_worked_out_by_hand():
-    """both 40, only a 3, only b 2, neither 5 (n 50): p1 = 43/50, p2 = 42/50, phi from the 2x2 table,
-    then dl and du from the two Wilson intervals (Newcombe 1998, method 10)."""
-    n, z = 50, Z90
-    p1, p2 = 43 / n, 42 / n
-    (l1, u1), (l2, u2) = wilson(43, n, z), wilson(42, n, z)
-    phi = (40 * 5 - 3 * 2) / math.sqrt(43 * 7 * 42 * 8)
-    dl = math.sqrt((p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2)
-    du = math.sqrt((u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2) + (p2 - l2) ** 2)
+def test_no_discordant_pair_at_mid_accuracy_is_as_wide_as_at_full_accuracy():
+    """11 right and 7 wrong on both arms (18 pairs, none discordant): the interval depends on the
+    discordant pairs only, +-z^2 / (18 + z^2) = +-0.131, so no equivalence at 0.05. (Newcombe's method
+    10, the first version of this function, gave +-0.03 here and called it equivalent.)"""
+    out = tost_paired(*pairs(11, 0, 0, 7), margin=0.05)
+    assert math.isclose(out["hi"], Z90**2 / (18 + Z90**2), rel_tol=1e-9) and math.isclose(out["lo"], -out["hi"])
+    assert round(out["hi"], 3) == 0.131 and not out["equivalent"]
+
+
+def test_the_bounds_solve_tangos_score_equation_worked_by_hand():
+    """both 40, only a 3, only b 2, neither 5 (n 50): at each bound d, q is the root in [0, 1] of
+    2n q^2 + (-3 - 2 + (100 - 3 + 2) d) q - 2 d (1 - d) = 0 and (3 - 2 - 50 d) / sqrt(50 (2q + d(1 - d)))
+    is +z at the lower bound and -z at the upper."""
     out = paired_difference_ci(*pairs(40, 3, 2, 5), confidence=0.90)
-    assert (out["only_a"], out["only_b"], out["n"]) == (3, 2, 50)
-    assert math.isclose(out["diff"], 0.02) and math.isclose(out["lo"], 0.02 - dl, abs_tol=1e-12)
-    assert math.isclose(out["hi"], 0.02 + du, abs_tol=1e-12)
-    assert not tost_paired(*pairs(40, 3, 2, 5))["equivalent"]  # the interval reaches past -0.05
+    assert (out["only_a"], out["only_b"], out["n"], out["diff"]) == (3, 2, 50, 0.02)
+    for d, want in ((out["lo"], Z90), (out["hi"], -Z90)):
+        roots = np.roots([2 * 50, -5 + 99 * d, -2 * d * (1 - d)])
+        q = max(r.real for r in roots if abs(r.imag) < 1e-12)
+        assert math.isclose((1 - 50 * d) / math.sqrt(50 * (2 * q + d * (1 - d))), want, rel_tol=1e-6)
+    assert out["lo"] < -0.05 < 0.05 < out["hi"]  # 5 discordant of 50: far from equivalent
+    assert not tost_paired(*pairs(40, 3, 2, 5))["equivalent"]
 
 
 def test_a_small_difference_on_many_questions_is_equivalent_and_close_to_wald():

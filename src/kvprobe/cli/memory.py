@@ -86,7 +86,7 @@ def memory(model: opt.Model = opt.DEFAULTS["model"], n: MemN = 40, seed: opt.See
     summ, tost = summarize_memory(df), equivalence(df, margin, alpha)
     folder.write(MEMORY_MANIFEST, folder.manifest(
         lm, **folder.settings, margin=margin, alpha=alpha, n_users=len(data.users),
-        tost_test="interval inclusion: (1 - 2 alpha) Newcombe hybrid score interval for paired proportions",
+        tost_test="interval inclusion: the (1 - 2 alpha) Tango score interval for paired proportions",
         summary=summ.to_dict(orient="records"), equivalence=tost.to_dict(orient="records")))
     print_summary(summ, tost, model)
     console.print(f"wrote {path} ({MEMORY})")
