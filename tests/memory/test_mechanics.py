@@ -131,3 +131,11 @@ def test_a_resume_recomputes_no_finished_question(tmp_path, monkeypatch):
     pd.testing.assert_frame_equal(first, again)
     summary = summarize_memory(first)
     assert set(summary["arm"]) == {a for _, a in arms()} and (summary["n_questions"] == 5).all()
+
+
+def test_the_neutral_control_is_the_late_cache_with_the_neutral_line_where_the_erratum_goes():
+    lm, data, segs, uid, states = setup()
+    late_ids, _ = segs.context(uid, "late")
+    _, want = kvcache.prefill(lm.model, torch.tensor(late_ids + segs.neutral))
+    assert_caches_close(states["neutral"].cache, want, tol=1e-5)
+    assert not set(lm.tokenizer.decode(segs.neutral).split()) & set(data.users[uid].edit_new.split())

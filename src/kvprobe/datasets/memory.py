@@ -54,6 +54,9 @@ from kvprobe.errors import UsageError
 SYSTEM = "You are an assistant with a memory of the user. Answer from the user profile."
 PROFILE = "## User profile"
 QUESTION = "## Question"
+# An appended line that says nothing about any fact: the control for the erratum (some models answer
+# differently after any appended text; PITFALLS.md)
+NEUTRAL = "[NOTE] The conversation continues below."
 LAYOUTS = ("early", "late")
 KINDS = ("edited", "other", "negative")
 MAX_SESSION_TOKENS = 8192
@@ -372,6 +375,7 @@ class MemorySegments:
     preamble: list[int]
     users: dict[str, UserSegments]
     questions: dict[str, list[int]]  # the question text plus the chat tail (or the raw answer cue)
+    neutral: list[int]  # the neutral line (:data:`NEUTRAL`), placed where the erratum goes
 
     def context(self, user_id: str, layout: str, edited: bool = False) -> tuple[list[int], tuple[int, int]]:
         """The context ids before a question and where the profile lies in them ([start, end))."""
@@ -404,4 +408,4 @@ def segments(data: MemorySet, tokenizer, form: str = "auto") -> MemorySegments:
                                _profile_tokens(enc, u.profile_after_edit()), enc(erratum_line(u)))
              for uid, u in data.users.items()}
     questions = {q.question_id: enc(question_text(q) + tail) for q in data.questions}
-    return MemorySegments(resolved, enc(head), users, questions)
+    return MemorySegments(resolved, enc(head), users, questions, enc(NEUTRAL + "\n\n"))

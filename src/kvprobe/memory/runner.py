@@ -9,6 +9,9 @@ Arms, by ``group``::
     edit        stale             the late cache as it is (no repair: the control)
                 oracle            the edited profile re-rendered, full prefill (the reference)
                 erratum           the late cache + the correction line (paper template), then the question
+                neutral           the late cache + a line that says nothing (:data:`~kvprobe.datasets.memory.NEUTRAL`)
+                                  where the erratum goes: the control for the erratum (its ``changed``
+                                  is the model's answer bias under any appended line)
                 field_only        the late cache with the edited value's tokens recomputed against it
                                   (:func:`~kvprobe.kv.recompute.recompute_positions`), the rest stale
     transplant  transplant_full   full prefill of preamble + the next session + profile
@@ -72,7 +75,8 @@ def seam_arm(seam: int) -> str:
 def arms(seams: Sequence[int] = DEFAULT_SEAMS) -> list[tuple[str, str]]:
     """(group, arm) in table order."""
     return [("qa", "early"), ("qa", "late"), ("edit", "stale"), ("edit", "oracle"), ("edit", "erratum"),
-            ("edit", "field_only"), ("transplant", "transplant_full"), *(("transplant", seam_arm(s)) for s in seams)]
+            ("edit", "neutral"), ("edit", "field_only"), ("transplant", "transplant_full"),
+            *(("transplant", seam_arm(s)) for s in seams)]
 
 
 @torch.no_grad()
@@ -87,7 +91,7 @@ def prefill_state(lm, ids: list[int]) -> State:
 
 @torch.no_grad()
 def erratum_state(lm, late: State, erratum: list[int]) -> State:
-    """The late (stale) cache with the correction line prefilled on top of it (a copy)."""
+    """The late (stale) cache with the correction (or the neutral) line prefilled on top of it (a copy)."""
     t0 = time.perf_counter()
     cache = kvcache.copy(late.cache)
     kvcache.forward(lm.model, torch.tensor([erratum], device=lm.device), cache, logits_to_keep=1)
@@ -122,6 +126,7 @@ def user_states(lm, data: MemorySet, segs: MemorySegments, user_id: str, seams: 
     states["stale"] = State(late.cache, late.context_tokens, 0, 0.0)
     states["oracle"] = prefill_state(lm, new_ids)
     states["erratum"] = erratum_state(lm, late, u.erratum)
+    states["neutral"] = erratum_state(lm, late, segs.neutral)
     s0, s1 = u.profile_new.spans[data.users[user_id].edit_key]
     states["field_only"] = field_only_state(lm, late, new_ids, (p0 + s0, p0 + s1), late_ids)
     head = segs.preamble + u.next_session
