@@ -139,3 +139,12 @@ def test_the_neutral_control_is_the_late_cache_with_the_neutral_line_where_the_e
     _, want = kvcache.prefill(lm.model, torch.tensor(late_ids + segs.neutral))
     assert_caches_close(states["neutral"].cache, want, tol=1e-5)
     assert not set(lm.tokenizer.decode(segs.neutral).split()) & set(data.users[uid].edit_new.split())
+
+
+def test_field_only_refuses_a_value_of_another_token_length_in_its_row():
+    from kvprobe.memory.runner import State, field_only_state
+
+    lm, data, segs, uid, states = setup()
+    late_ids, _ = segs.context(uid, "late")
+    st = field_only_state(lm, states["late"], late_ids + [late_ids[-1]], (len(late_ids) - 2, len(late_ids)), late_ids)
+    assert isinstance(st, State) and st.cache is None and "+1 token(s)" in st.error

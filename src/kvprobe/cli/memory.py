@@ -57,7 +57,7 @@ def memory(model: opt.Model = opt.DEFAULTS["model"], n: MemN = 40, seed: opt.See
     Exits 2 for a bad option (before anything is loaded or claimed).
     """
     from kvprobe.datasets.memory import check_options, generate_memory
-    from kvprobe.memory import run_memory
+    from kvprobe.memory import arms, run_memory
     from kvprobe.results import MEMORY, MEMORY_CLAIM, MEMORY_MANIFEST, ResultsFolder, check_case_ids
 
     span, seam_list = _pair(session_tokens, "--session-tokens"), _seams(seams)
@@ -68,7 +68,8 @@ def memory(model: opt.Model = opt.DEFAULTS["model"], n: MemN = 40, seed: opt.See
         raise UsageError(f"--alpha must be in (0, 0.5), got {alpha}")
     out = usable_out(out or opt.default_out("memory", model))
     settings = {"command": "memory", "model": model, "n": n, "seed": seed, "form": form, "sessions": sessions,
-                "session_tokens": list(span), "questions_per_user": questions_per_user, "seams": seam_list}
+                "session_tokens": list(span), "questions_per_user": questions_per_user, "seams": seam_list,
+                "arms": [a for _, a in arms(seam_list)]}  # a folder from a kvprobe with other arms is refused
     folder = ResultsFolder(out, MEMORY_CLAIM, settings, held="kvprobe memory with other settings", dtype=dtype)
     folder.check()  # fail before loading; claimed once every input is valid
     lm = load_with_status(model, dtype, device, allow_failed_toy=allow_failed_toy, device_map=device_map)
