@@ -618,6 +618,13 @@ def inputs(s: Path) -> list[Bad]:
               (["--lora-targets", "q,mlp"], "weight-edit --lora-targets naming no attention projection", 2,
                "q,mlp", None),
               ([], "weight-edit where peft is not installed", 4, "kvprobe[weight-edit]", {"PYTHONPATH": "no-peft"}))],
+        # kvprobe memory (issue 33): refused before the model is loaded or the folder claimed
+        *[Bad(["memory", "--model", "toy-qwen2", "--n", "2", "--out", "mem-out", *extra], what, 2, quote=quote)
+          for extra, what, quote in (
+              (["--margin", "0"], "memory --margin 0", "--margin"),
+              (["--seams", "-1"], "memory --seams -1", "--seams"),
+              (["--session-tokens", "10,20"], "memory --session-tokens below 32", "session_tokens"),
+              (["--questions-per-user", "2"], "memory --questions-per-user 2", "questions_per_user"))],
     ]
 
 

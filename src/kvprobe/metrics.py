@@ -128,3 +128,69 @@ def summarize_edits(df: pd.DataFrame, by=("strategy", "cot")) -> pd.DataFrame:
                                   if "decide_s" in g else float("nan")))
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def paired_difference_ci(a, b, confidence: float = 0.95) -> dict:
+    """The difference of two paired proportions, mean(a) - mean(b), with Tango's score interval
+    (Tango 1998, Statistics in Medicine 17:891, the interval recommended there for equivalence in a
+    paired design). ``a``, ``b``: yes/no per item (pairs with a NaN on either side dropped).
+
+    With ``only_a`` (a yes, b no) = x, ``only_b`` = y, n pairs and a difference d, the score is
+    ``Z(d) = (x - y - n d) / sqrt(n (2 q + d (1 - d)))``, q the restricted maximum-likelihood
+    P(only b) given d, the root of ``2n q^2 + (-x - y + (2n - x + y) d) q - y d (1 - d) = 0``; the
+    interval is every d with |Z(d)| <= z. It depends on the discordant pairs only: none in n pairs
+    gives +-z^2 / (n + z^2) (0.131 for 18 pairs, 0.026 for 100 at 90%), never an empty interval
+    (the Wald interval's) nor one that shrinks with the agreement (Newcombe's method 10 gives +-0.03
+    for 18 pairs at 61% accuracy with no discordant pair). Returns n, ``only_a``, ``only_b``, the
+    difference, ``lo``, ``hi`` (NaNs without pairs).
+    """
+    from scipy.optimize import brentq
+    from scipy.stats import norm
+
+    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    keep = ~(np.isnan(x) | np.isnan(y))
+    x, y = x[keep].astype(bool), y[keep].astype(bool)
+    n, only_a, only_b = int(len(x)), int((x & ~y).sum()), int((~x & y).sum())
+    out = {"n": n, "only_a": only_a, "only_b": only_b, "diff": float("nan"), "lo": float("nan"), "hi": float("nan")}
+    if not n:
+        return out
+    z, diff = float(norm.ppf(0.5 + confidence / 2)), (only_a - only_b) / n
+    out["diff"] = diff
+    eps = 1e-12
+    lo_end, hi_end = -1 + eps, 1 - eps
+    if score_paired(lo_end, n, only_a, only_b) <= z:
+        out["lo"] = -1.0
+    else:
+        out["lo"] = brentq(lambda d: score_paired(d, n, only_a, only_b) - z, lo_end, diff, xtol=1e-12)
+    if score_paired(hi_end, n, only_a, only_b) >= -z:
+        out["hi"] = 1.0
+    else:
+        out["hi"] = brentq(lambda d: score_paired(d, n, only_a, only_b) + z, diff, hi_end, xtol=1e-12)
+    return out
+
+
+def score_paired(d: float, n: int, only_a: int, only_b: int) -> float:
+    """Tango's score statistic Z(d) for a paired difference d (see :func:`paired_difference_ci`)."""
+    w = -only_a - only_b + (2 * n - only_a + only_b) * d
+    q = (math.sqrt(w * w + 8 * n * only_b * d * (1 - d)) - w) / (4 * n)
+    var = n * (2 * q + d * (1 - d))
+    num = only_a - only_b - n * d
+    return num / math.sqrt(var) if var > 0 else math.copysign(math.inf, num) if num else 0.0
+
+
+def tost_paired(a, b, margin: float = 0.05, alpha: float = 0.05) -> dict:
+    """Two one-sided tests (TOST) of equivalence for the difference of two paired proportions
+    (accuracy of arm ``a`` minus arm ``b`` on the same items): H0 is |difference| >= ``margin``.
+
+    Decided by interval inclusion: both one-sided tests reject at level ``alpha`` exactly when the
+    (1 - 2 alpha) interval of the difference lies inside (-margin, margin); the interval is
+    :func:`paired_difference_ci` (Tango's score interval for paired proportions), so the default is
+    a 90% interval for a 5% test. Returns :func:`paired_difference_ci`'s keys plus
+    ``margin``, ``alpha``, ``confidence`` and ``equivalent`` (False without pairs)."""
+    if not 0 < margin < 1:
+        raise ValueError(f"margin must be in (0, 1), got {margin}")
+    if not 0 < alpha < 0.5:
+        raise ValueError(f"alpha must be in (0, 0.5), got {alpha}")
+    out = paired_difference_ci(a, b, 1 - 2 * alpha)
+    equivalent = bool(out["n"]) and -margin < out["lo"] and out["hi"] < margin
+    return {**out, "margin": margin, "alpha": alpha, "confidence": 1 - 2 * alpha, "equivalent": equivalent}

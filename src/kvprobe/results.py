@@ -20,9 +20,9 @@ import pandas as pd
 from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.schema import check_version
 from kvprobe.tables import (ATTENTION, CALIBRATION, CALIBRATION_SUMMARY, COMPOSE, CONCENTRATION, EDITS, FLAG,  # noqa: F401
-                            INT, KNOCKOUT, LINEAR, LOCALITY, NUMBER, SERVING, SWEEP, SWEEP_SUMMARY, TABLE_SCHEMAS,
-                            TABLES_SCHEMA, TEXT, TOKENS, TTFT, UNITS, VALIDITY, WEIGHT_EDITS, TableSchema, read_table,
-                            table_metadata, table_schema, unit_of)
+                            INT, KNOCKOUT, LINEAR, LOCALITY, MEMORY, NUMBER, SERVING, SWEEP, SWEEP_SUMMARY,
+                            TABLE_SCHEMAS, TABLES_SCHEMA, TEXT, TOKENS, TTFT, UNITS, VALIDITY, WEIGHT_EDITS,
+                            TableSchema, read_table, table_metadata, table_schema, unit_of)
 
 MANIFEST = "manifest.json"
 RANKING_RULE = "ranking_rule.json"
@@ -91,10 +91,13 @@ VALIDATE_CLAIM = "validate_config.json"
 SWEEP_CLAIM = "sweep_config.json"
 CALIBRATE_CLAIM = "calibrate_config.json"
 WEIGHT_EDIT_CLAIM = "weight_edit_config.json"
+MEMORY_CLAIM = "memory_config.json"
+MEMORY_MANIFEST = "memory_manifest.json"
 SWEEP_MANIFEST = "sweep_manifest.json"
 CLAIMS = {RUN_CLAIM: "kvprobe run", EDIT_CLAIM: "kvprobe edit", VALIDATE_CLAIM: "kvprobe validate",
           SWEEP_CLAIM: "kvprobe sweep", CALIBRATE_CLAIM: "kvprobe calibrate",
-          SERVING_MANIFEST: "kvprobe serve-bench", WEIGHT_EDIT_CLAIM: "kvprobe weight-edit"}
+          SERVING_MANIFEST: "kvprobe serve-bench", WEIGHT_EDIT_CLAIM: "kvprobe weight-edit",
+          MEMORY_CLAIM: "kvprobe memory"}
 
 
 def refuse_foreign(folder: Path | str, own: str) -> None:

@@ -33,6 +33,7 @@ SWEEP_SUMMARY = "sweep_summary.parquet"  # one row per cell x measure, with 95% 
 CALIBRATION = "calibration.parquet"  # kvprobe calibrate: one row per (field, pair, strategy)
 CALIBRATION_SUMMARY = "calibration_summary.parquet"  # one row per (field, strategy)
 WEIGHT_EDITS = "weight_edits.parquet"  # kvprobe weight-edit: one row per case x arm (KV repairs and a LoRA edit)
+MEMORY = "memory.parquet"  # kvprobe memory: one row per question x arm (kvprobe.memory.COLUMNS)
 TABLES_SCHEMA = 1  # the version of TABLE_SCHEMAS' columns, in every results table's parquet metadata
 
 
@@ -172,6 +173,11 @@ TABLE_SCHEMAS: dict[str, TableSchema] = {
                                       "frac_recomputed wall_s decide_s setup_s final_loss contamination",
                                whole="k tokens_total cot n_tokens steps contamination_changed contamination_n",
                                flag="agree correct rewritten_prompt control valid reached"),
+    MEMORY: table_schema("a `kvprobe memory` table",
+                         text="model question_id user_id kind fact group arm layout answer expected reference error",
+                         number="margin correct agree changed tokens_recomputed frac_recomputed wall_s decide_s "
+                                "setup_s",
+                         whole="context_tokens"),
     SWEEP_SUMMARY: table_schema("a `kvprobe sweep` summary", text="cell layout field_style rule_style measure name",
                                 number="downstream_tokens n_tokens agree agree_lo agree_hi recovery recovery_lo "
                                        "recovery_hi frac_recomputed validity case_s",
@@ -194,6 +200,7 @@ UNITS = {"m": "logits", "m_stale": "logits", "m_oracle": "logits", "m_old": "log
          "seconds": "seconds", "pairs": "count", "skipped": "count", "errors": "count", "spurious_flips": "count",
          "change_rate": "share (0 to 1)", "final_loss": "nats", "steps": "count (optimizer steps)",
          "contamination": "share (0 to 1)", "contamination_changed": "count", "contamination_n": "count",
+         "changed": "share (0 to 1) or true/false",
          **dict.fromkeys(("recovery", "recovery_lo", "recovery_hi"),
                          "ratio of the oracle's flip (1: the oracle's, 0: the stale cache's; may leave [0, 1])")}
 

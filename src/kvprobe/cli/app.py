@@ -23,6 +23,7 @@ from kvprobe.cli.compare import compare
 from kvprobe.cli.datasets import datasets_app
 from kvprobe.cli.diagnose import diagnose
 from kvprobe.cli.edit import edit, strategies
+from kvprobe.cli.memory import memory
 from kvprobe.cli.models import models_app
 from kvprobe.cli.report import report
 from kvprobe.cli.run import export_topk, run
@@ -55,6 +56,7 @@ app.add_typer(toy_app, name="toy")
 app.command("run")(run)
 app.command("edit")(edit)
 app.command("weight-edit")(weight_edit)
+app.command("memory")(memory)
 app.command("sweep")(sweep)
 app.command("calibrate")(calibrate)
 app.command("diagnose")(diagnose)

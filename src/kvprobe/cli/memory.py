@@ -1,0 +1,127 @@
+"""``kvprobe memory``: user memory on the generated long-conversation set, placed early or late, a fact
+edited (oracle, erratum, field-only), and the profile transplanted (precompiled once, re-rotated and
+spliced) against a full recompute, with a TOST for the accuracy difference (docs/memory.md)."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from kvprobe.cli import options as opt
+from kvprobe.cli.common import console, load_with_status, progress_bar, usable_out
+from kvprobe.errors import UsageError
+
+Sessions = Annotated[int, typer.Option(help="dialogue sessions in each user's trajectory (1-32)")]
+SessionTokens = Annotated[str, typer.Option("--session-tokens", help=(
+    "MIN,MAX tokens of each session (drawn per session, in the model's tokens; 32 <= MIN <= MAX <= 8192)"))]
+PerUser = Annotated[int, typer.Option("--questions-per-user", help=(
+    "questions per user (3-12): on the edited fact, on another fact, negative (the profile does not decide), "
+    "in turn"))]
+Seams = Annotated[str, typer.Option(help="comma-separated seam widths (tokens of the profile block fed fresh) of "
+                                         "the transplant arms, each >= 0")]
+Margin = Annotated[float, typer.Option(help="TOST equivalence margin for an accuracy difference, in (0, 1)")]
+Alpha = Annotated[float, typer.Option(help="TOST level: equivalent when the (1 - 2 alpha) interval lies inside "
+                                           "(-margin, margin); in (0, 0.5)")]
+MemN = Annotated[int, typer.Option("--n", min=1, help="questions (users: n / questions-per-user, rounded up)")]
+
+
+def _pair(value: str, option: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(p) for p in opt.parse_csv(value))
+    except ValueError:  # not numbers, or not two of them
+        raise UsageError(f"{option} takes MIN,MAX whole numbers, got {value!r}") from None
+    return lo, hi
+
+
+def _seams(value: str) -> list[int]:
+    try:
+        seams = sorted({int(s) for s in opt.parse_csv(value)})
+    except ValueError:
+        raise UsageError(f"--seams takes comma-separated whole numbers >= 0, got {value!r}") from None
+    if not seams or seams[0] < 0:
+        raise UsageError(f"--seams takes comma-separated whole numbers >= 0, got {value!r}")
+    return seams
+
+
+def memory(model: opt.Model = opt.DEFAULTS["model"], n: MemN = 40, seed: opt.Seed = 0,
+           form: opt.Form = opt.DEFAULTS["form"], sessions: Sessions = 3, session_tokens: SessionTokens = "120,200",
+           questions_per_user: PerUser = 4, seams: Seams = "0,4", margin: Margin = 0.05, alpha: Alpha = 0.05,
+           dtype: opt.Dtype = "float32", device: opt.Device = "cpu", device_map: opt.DeviceMap = "none",
+           allow_failed_toy: opt.AllowFailedToy = False, out: opt.Out = None) -> None:
+    """QA accuracy with the user profile early vs late, a profile fact edited (oracle, erratum, field-only),
+    and the profile transplanted vs full recompute with a TOST; writes memory.parquet and prints the summary.
+
+    Exits 2 for a bad option (before anything is loaded or claimed).
+    """
+    from kvprobe.datasets.memory import check_options, generate_memory
+    from kvprobe.memory import arms, run_memory
+    from kvprobe.results import MEMORY, MEMORY_CLAIM, MEMORY_MANIFEST, ResultsFolder, check_case_ids
+
+    span, seam_list = _pair(session_tokens, "--session-tokens"), _seams(seams)
+    check_options(n, sessions, span, questions_per_user)
+    if not 0 < margin < 1:
+        raise UsageError(f"--margin must be in (0, 1), got {margin}")
+    if not 0 < alpha < 0.5:
+        raise UsageError(f"--alpha must be in (0, 0.5), got {alpha}")
+    out = usable_out(out or opt.default_out("memory", model))
+    settings = {"command": "memory", "model": model, "n": n, "seed": seed, "form": form, "sessions": sessions,
+                "session_tokens": list(span), "questions_per_user": questions_per_user, "seams": seam_list,
+                "arms": [a for _, a in arms(seam_list)]}  # a folder from a kvprobe with other arms is refused
+    folder = ResultsFolder(out, MEMORY_CLAIM, settings, held="kvprobe memory with other settings", dtype=dtype)
+    folder.check()  # fail before loading; claimed once every input is valid
+    lm = load_with_status(model, dtype, device, allow_failed_toy=allow_failed_toy, device_map=device_map)
+    data = generate_memory(n, seed, lm.tokenizer, sessions, span, questions_per_user)
+    check_case_ids(q.question_id for q in data.questions)
+    folder.claim(lm, {q.question_id: _Item(q, data.users[q.user_id]) for q in data.questions})
+    store = folder.parts("memory")
+    with progress_bar() as bar:
+        task = bar.add_task(f"memory: {len(data.questions)} questions of {len(data.users)} users", total=n)
+        df = run_memory(lm, n, seed, form, sessions, span, questions_per_user, seam_list, model_name=model,
+                        store=store, on_question=lambda: bar.advance(task), data=data)
+    path = store.collect()
+    from kvprobe.memory import equivalence, summarize_memory
+
+    summ, tost = summarize_memory(df), equivalence(df, margin, alpha)
+    folder.write(MEMORY_MANIFEST, folder.manifest(
+        lm, **folder.settings, margin=margin, alpha=alpha, n_users=len(data.users),
+        tost_test="interval inclusion: the (1 - 2 alpha) Tango score interval for paired proportions",
+        summary=summ.to_dict(orient="records"), equivalence=tost.to_dict(orient="records")))
+    print_summary(summ, tost, model)
+    console.print(f"wrote {path} ({MEMORY})")
+
+
+class _Item:
+    """What a question's rows are computed from (its content fingerprint): the question and its user."""
+
+    def __init__(self, question, user):
+        self.question, self.user = question, user
+
+
+def _ci(p: float, lo: float, hi: float, k: int) -> str:
+    return "-" if not k or math.isnan(p) else f"{p:.2f} [{lo:.2f}, {hi:.2f}] ({k})"
+
+
+def print_summary(summ, tost, title: str) -> None:
+    """Per arm: accuracy, agreement with its reference, the negatives the edit moved, cost; then the TOSTs."""
+    table = Table(title=f"memory: {title}")
+    for col in ("group", "arm", "accuracy [95% CI] (n)", "agreement [95% CI] (n)", "negatives changed (n)",
+                "recomputed tokens (frac)", "state ms", "read ms"):
+        table.add_column(col, justify="left" if col in ("group", "arm") else "right")
+    for r in summ.itertuples():
+        table.add_row(r.group, r.arm, _ci(r.accuracy, r.accuracy_lo, r.accuracy_hi, r.accuracy_n),
+                      _ci(r.agreement, r.agreement_lo, r.agreement_hi, r.agreement_n),
+                      _ci(r.negative_changed, r.negative_changed_lo, r.negative_changed_hi, r.negative_changed_n),
+                      f"{r.tokens_recomputed:.0f} ({r.frac_recomputed:.2f})", f"{1000 * r.wall_s:.1f}",
+                      f"{1000 * r.decide_s:.1f}")
+    console.print(table)
+    eq = Table(title="accuracy difference, paired by question: TOST")
+    for col in ("arm - against", "n", "discordant (+/-)", "difference", "interval", "margin", "equivalent"):
+        eq.add_column(col, justify="left" if col == "arm - against" else "right")
+    for r in tost.itertuples():
+        eq.add_row(f"{r.arm} - {r.against}", str(r.n), f"{r.only_a}/{r.only_b}", f"{r.diff:+.3f}",
+                   f"{r.confidence:.0%} [{r.lo:+.3f}, {r.hi:+.3f}]", f"±{r.margin:g}",
+                   "yes" if r.equivalent else "no")
+    console.print(eq)
