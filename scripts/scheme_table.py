@@ -141,6 +141,21 @@ def _image_layout(lm):
     return pre, lead, q, images.generated_image(lm, 0), images.generated_image(lm, 1)
 
 
+def shifted_image_block(lm, pre, lead, im, q, shift: int = SHIFT):
+    """(the image block of ``pre + lead + image + q`` taken from a joint prefill ``shift`` positions
+    later on all three axes, the prompt's ids): tests/kv/test_image_blocks.py moves it too."""
+    from kvprobe.composer import images
+    from kvprobe.kv import cache as kvcache
+
+    bids = images.image_ids(lm, im)
+    ids = pre + lead + bids + q
+    pos, emb = images.mrope_positions(lm, ids, [im]), images.input_embeds(lm, ids, [im])
+    cache = kvcache.new_cache()
+    images.forward_embeds(lm, emb, pos + shift, cache)
+    lo, hi = len(pre + lead), len(pre + lead) + len(bids)
+    return images.image_block_from_cache(lm, cache, bids, lo, pos[:, lo:hi] + shift, emb[lo:hi], im), ids
+
+
 def _image_moved(lm, by_tokens: bool = False) -> float:
     """An image block's jointly computed KV from a prefill SHIFT positions later (all three axes),
     re-rotated back and spliced; ``by_tokens``: the text after it placed by token count."""
@@ -148,16 +163,9 @@ def _image_moved(lm, by_tokens: bool = False) -> float:
 
     from kvprobe import composer
     from kvprobe.composer import images
-    from kvprobe.kv import cache as kvcache
 
     pre, lead, q, im, _ = _image_layout(lm)
-    bids = images.image_ids(lm, im)
-    ids = pre + lead + bids + q
-    pos, emb = images.mrope_positions(lm, ids, [im]), images.input_embeds(lm, ids, [im])
-    cache = kvcache.new_cache()
-    images.forward_embeds(lm, emb, pos + SHIFT, cache)
-    lo, hi = len(pre + lead), len(pre + lead) + len(bids)
-    block = images.image_block_from_cache(lm, cache, bids, lo, pos[:, lo:hi] + SHIFT, emb[lo:hi], im)
+    block, ids = shifted_image_block(lm, pre, lead, im, q)
     if by_tokens:
         block = dataclasses.replace(block, rope_positions=None, embeds=None, image=None, _rotated={})
     c = composer.compose(lm, [pre + lead, block, q])

@@ -6,6 +6,8 @@ processor)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +22,10 @@ from tests.conftest import tiny_model
 
 TOL = 1e-4  # tests/kv/test_compose.py's tolerance for moved blocks
 SHIFT = 128
+_spec = importlib.util.spec_from_file_location("scheme_table", Path(__file__).resolve().parents[2] / "scripts" /
+                                               "scheme_table.py")
+scheme_table = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(scheme_table)
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -63,24 +69,12 @@ def test_an_image_block_in_the_context_it_was_precompiled_in_equals_the_full_pre
     assert _max(c.logits, images.multimodal_oracle_logits(lm, composer.context_ids([pre, block, q]), [im])) <= 1e-5
 
 
-def _moved(lm, pre, lead, im, q):
-    """The image block's jointly computed KV from a prefill SHIFT positions later (all three axes),
-    and the whole prompt's ids."""
-    bids = images.image_ids(lm, im)
-    ids = pre + lead + bids + q
-    pos, emb = images.mrope_positions(lm, ids, [im]), images.input_embeds(lm, ids, [im])
-    cache = kvcache.new_cache()
-    images.forward_embeds(lm, emb, pos + SHIFT, cache)
-    lo, hi = len(pre + lead), len(pre + lead) + len(bids)
-    return images.image_block_from_cache(lm, cache, bids, lo, pos[:, lo:hi] + SHIFT, emb[lo:hi], im), ids
-
-
 def test_an_image_block_moved_by_128_positions_and_rerotated_equals_the_full_prefill(lm):
     """Re-rotated by its M-RoPE shift: the fresh prefill's logits; not re-rotated, or with the text
     after it placed by token count (1-D RoPE's view of the prompt), far off: the check can fail."""
     pre, lead, q = _ids(3, 0), _ids(40, 1), _ids(5, 2)
     im = images.generated_image(lm, 0)
-    block, ids = _moved(lm, pre, lead, im, q)
+    block, ids = scheme_table.shifted_image_block(lm, pre, lead, im, q, SHIFT)
     oracle = images.multimodal_oracle_logits(lm, ids, [im])
     assert _max(composer.compose(lm, [pre + lead, block, q]).logits, oracle) <= TOL
     assert _max(composer.compose(lm, [pre + lead, block, q], rerotate=False).logits, oracle) > 10 * TOL
