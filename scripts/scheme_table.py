@@ -111,12 +111,12 @@ def _moved(lm) -> float:
     return _maxdiff(c.logits, composer.oracle_logits(lm, ids))
 
 
+@torch.no_grad()  # never torch.set_grad_enabled(False): tests call this, and a training test may follow
 def checks(lm) -> dict:
     """The four numbers of one model (see the module docstring)."""
     from kvprobe import composer, editor
     from kvprobe.datasets import align, generate
 
-    torch.set_grad_enabled(False)
     a = align(generate(4, seed=11)[1], lm.tokenizer, "raw")
     ctx = editor.make_context(lm, a)
     oracle = editor.decide(lm, editor.apply(ctx, "oracle"))[0]
@@ -172,6 +172,7 @@ def _image_moved(lm, by_tokens: bool = False) -> float:
     return _maxdiff(c.logits, images.multimodal_oracle_logits(lm, ids, [im]))
 
 
+@torch.no_grad()
 def image_checks(lm) -> dict:
     """The four numbers of the image block row (see the module docstring)."""
     from kvprobe import composer
@@ -179,7 +180,6 @@ def image_checks(lm) -> dict:
     from kvprobe.kv import cache as kvcache
     from kvprobe.kv.recompute import recompute_positions
 
-    torch.set_grad_enabled(False)
     pre, lead, q, im, other = _image_layout(lm)
     bids = images.image_ids(lm, im)
     old, new = pre + lead + bids + [41, 42, 43] + q, pre + lead + bids + [41, 77, 43] + q
