@@ -69,6 +69,7 @@ def run_compose(lm, n: int = 50, seed: int = 0, seams: Sequence[int] = SEAMS,
         raise UsageError(f"seams must be integers >= 0, got {list(seams)}")
     if images < 0:
         raise UsageError(f"images must be >= 0, got {images}")
+    pool = []  # the generated images, when the queries hold image blocks
     if images:
         from kvprobe.composer import images as imaging
 
@@ -85,10 +86,9 @@ def run_compose(lm, n: int = 50, seed: int = 0, seams: Sequence[int] = SEAMS,
     for i, sid in enumerate(used):
         blocks[sid] = _skill_block(lm, segs, sid, store_dir)
         if on_precompile:
-            on_precompile(i + 1, len(used) + (len(pool) if images else 0))
-    shown = {q.query_id: [pool[(i + j) % len(pool)] for j in range(images)] if images else []
-             for i, q in enumerate(data.queries)}
-    for i, image in enumerate(pool if images and todo else []):
+            on_precompile(i + 1, len(used) + len(pool))
+    shown = {q.query_id: [pool[(i + j) % len(pool)] for j in range(images)] for i, q in enumerate(data.queries)}
+    for i, image in enumerate(pool if todo else []):
         blocks[image.sha256] = _image_block(lm, image, segs.preamble, store_dir)
         if on_precompile:
             on_precompile(len(used) + i + 1, len(used) + len(pool))
