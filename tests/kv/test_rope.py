@@ -177,3 +177,20 @@ def test_self_check_fails_loudly_on_wrong_frequencies(monkeypatch):
     monkeypatch.setattr(rope, "inv_freq", lambda a, layer, device=None: true_inv_freq(a, layer, device) * 1.01)
     with pytest.raises(KvprobeError, match=r"family mistral: layer \d keys differ"):
         rope.self_check(model, adapter)
+
+
+def test_half_precision_is_checked_relative_to_each_keys_size(monkeypatch):
+    """bfloat16 stores a rotated key element to one unit in the last place of its rotation pair's size
+    (0.0625 at 8-16, 1.0 at 128-256): qwen2.5-1.5b's bfloat16 keys (up to 354 in layer 0) once failed a
+    0.05 absolute bound on this check by such rounding. The relative check passes a correct model in
+    bfloat16 and still refuses frequencies off by 1%."""
+    model, adapter = tiny_variant("tiny-mistral")
+    model = model.to(torch.bfloat16)
+    err = rope.self_check(model, adapter)
+    assert 0 <= err <= rope.SELF_CHECK_REL_TOL[torch.bfloat16]
+    absolute = max(rope.rerotation_error(model, adapter))
+    assert absolute > 0  # bfloat16 rounding is there; the relative figure is what is bounded
+    true_inv_freq = rope.inv_freq
+    monkeypatch.setattr(rope, "inv_freq", lambda a, layer, device=None: true_inv_freq(a, layer, device) * 1.01)
+    with pytest.raises(KvprobeError, match=r"family mistral: layer \d keys differ .* relative to its rotation pair"):
+        rope.self_check(model, adapter)

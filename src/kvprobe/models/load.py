@@ -34,7 +34,6 @@ from kvprobe.models.toy_folder import load_toy, load_toy_folder, toy_families
 
 _LOCK_OF_LOCKS = threading.Lock()  # makes each model's lock once (LoadedModel.lock)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ROPE_TOL = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}  # self-check tolerance at shift 37
 # The device_map strings transformers' from_pretrained (through accelerate) accepts; None places the
 # whole model on ``device``.
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
@@ -74,7 +73,7 @@ class ModelInfo:
     n_params: int
     note: str = ""
     device_map: str | None = None  # "auto", ...: placed by accelerate (``device`` lists where it landed)
-    rope_check_error: float | None = None  # max |re-rotated - recomputed| key error at load
+    rope_check_error: float | None = None  # re-rotated vs recomputed keys at load (relative in half precision)
     rope_unsupported: str | None = None  # why this model's keys cannot be re-rotated, if so
     _weights_hash: str | None = field(default=None, repr=False)
     _load_args: dict | None = field(default=None, repr=False)  # load_model's arguments: how another process loads it
@@ -197,7 +196,7 @@ def _finish(model, tokenizer, spec: str, source: str, dtype: str | None, device:
     # The re-rotation gate: re-rotated keys must equal keys computed at the new position. A model
     # whose RoPE we cannot re-rotate still loads (probing needs no re-rotation); composing refuses.
     try:
-        info.rope_check_error = self_check(model, adapter, tol=ROPE_TOL[dtype])
+        info.rope_check_error = self_check(model, adapter)  # absolute in float32, relative in half precision
     except KvprobeError as exc:
         info.rope_unsupported = str(exc)
     return LoadedModel(model, tokenizer, adapter, info)

@@ -64,6 +64,13 @@ from kvprobe.models.adapter import Adapter, Family
 SELF_CHECK_SHIFT = 37  # a moderate shift: errors there are rounding, not the model's float32 angles
 SELF_CHECK_LENGTH = 12  # shorter than the tiny sliding window (16)
 SELF_CHECK_TOL = 1e-4  # max abs key error, float32 models
+# Half precision: a rotated key element is a rounded mix of the two elements of its rotation pair, so it is
+# stored to about one unit in the last place of the pair's size (bfloat16's spacing is 2^-7 of it: 0.0625 at 8
+# to 16, 1.0 at 128 to 256, as qwen2.5-1.5b's layer-0 keys with their bias are, where a pair's small element
+# was 0.047 off). No absolute tolerance fits every layer: in half precision each element's difference is
+# divided by max(its pair's norm, 1) (:func:`pair_scale`): qwen2.5-1.5b's worst layer is at 0.0145, 1.9 units;
+# the bound is 4. A frequency 0.1% off turns the fastest pair by 0.037 of its norm at +37 (1% off: 0.37).
+SELF_CHECK_REL_TOL = {torch.bfloat16: 2 ** -5, torch.float16: 2 ** -8}  # four units in the last place (2^-7, 2^-10)
 
 
 # -- frequencies ---------------------------------------------------------------------------
@@ -212,10 +219,11 @@ def _pinned_layer_inputs(layers: torch.nn.ModuleList, inputs: list[torch.Tensor]
 @torch.no_grad()
 def rerotation_error(model, adapter: Adapter, shift: int = SELF_CHECK_SHIFT, length: int = SELF_CHECK_LENGTH,
                      vocab_size: int | None = None, seed: int = 0,
-                     compute_dtype: torch.dtype = torch.float64) -> list[float]:
+                     compute_dtype: torch.dtype = torch.float64, relative: bool = False) -> list[float]:
     """Per layer: max abs difference between keys prefilled at 0.. and re-rotated by ``shift``,
     and keys prefilled at ``shift``.. (random ids; every layer's input in the second run pinned to
     the first run's, so no layer's comparison carries rounding from the layers below it).
+    ``relative``: each element's difference divided by :func:`pair_scale` first (half precision).
     """
     vocab_size = vocab_size or adapter.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
@@ -232,22 +240,38 @@ def rerotation_error(model, adapter: Adapter, shift: int = SELF_CHECK_SHIFT, len
         keys = rotated(adapter, kvcache.get_kv(at_zero, layer))  # (1, H_kv, T, D)
         want = rotated(adapter, kvcache.get_kv(at_shift, layer))  # (1, H_kv, T, D)
         got = rerotate(keys, shift, inv_freq(adapter, layer, keys.device), compute_dtype)
-        errors.append((got.double() - want.double()).abs().max().item())
+        diff = (got.double() - want.double()).abs()
+        errors.append((diff / pair_scale(want, inv_freq(adapter, layer).shape[-1]) if relative else diff).max().item())
     return errors
 
 
+def pair_scale(keys: torch.Tensor, half: int) -> torch.Tensor:
+    """Per element of ``keys`` (..., D), rotate_half layout: max(norm of its rotation pair (i, i + half), 1);
+    for a dimension that does not rotate, max(|element|, 1)."""
+    k = keys.double()
+    rot = 2 * half
+    norm = (k[..., :half] ** 2 + k[..., half:rot] ** 2).sqrt()
+    return torch.cat([norm, norm, k[..., rot:].abs()], dim=-1).clamp(min=1.0)
+
+
 def self_check(lm_model, adapter: Adapter, tokenizer=None, shift: int = SELF_CHECK_SHIFT,
-               tol: float = SELF_CHECK_TOL) -> float:
+               tol: float | None = None) -> float:
     """The model-level gate: re-rotated keys of every layer equal a fresh prefill's at +shift.
 
-    Returns the max abs error over layers; raises ``KvprobeError`` naming the family, the worst
-    layer and its error when it exceeds ``tol`` (an absolute tolerance meant for float32 models;
-    pass a larger one for half precision), or when the RoPE type cannot be re-rotated.
+    Returns the max error over layers; raises ``KvprobeError`` naming the family, the worst layer
+    and its error when it exceeds ``tol``, or when the RoPE type cannot be re-rotated. The error is
+    absolute for a float32 model (``tol`` defaults to :data:`SELF_CHECK_TOL`) and relative per
+    element for half precision (:data:`SELF_CHECK_REL_TOL`, by the model's dtype).
     """
     vocab = min(adapter.config.vocab_size, len(tokenizer)) if tokenizer is not None else None
-    errors = rerotation_error(lm_model, adapter, shift=shift, vocab_size=vocab)
+    dtype = next(lm_model.parameters()).dtype
+    relative = dtype in SELF_CHECK_REL_TOL
+    tol = tol if tol is not None else SELF_CHECK_REL_TOL[dtype] if relative else SELF_CHECK_TOL
+    errors = rerotation_error(lm_model, adapter, shift=shift, vocab_size=vocab, relative=relative)
     worst = max(range(len(errors)), key=errors.__getitem__)
     if not errors[worst] <= tol:  # also catches NaN
+        what = "relative to its rotation pair's norm " if relative else ""
         raise KvprobeError(f"RoPE re-rotation self-check failed for family {adapter.family.family}: layer {worst} "
-                           f"keys differ from a fresh prefill at +{shift} by {errors[worst]:.3g} (tolerance {tol:g})")
+                           f"keys differ from a fresh prefill at +{shift} by {errors[worst]:.3g} {what}"
+                           f"(tolerance {tol:g})")
     return errors[worst]
