@@ -624,7 +624,9 @@ def inputs(s: Path) -> list[Bad]:
               (["--margin", "0"], "memory --margin 0", "--margin"),
               (["--seams", "-1"], "memory --seams -1", "--seams"),
               (["--session-tokens", "10,20"], "memory --session-tokens below 32", "session_tokens"),
-              (["--questions-per-user", "2"], "memory --questions-per-user 2", "questions_per_user"))],
+              (["--questions-per-user", "2"], "memory --questions-per-user 2", "questions_per_user"),
+              (["--policy-users", "-1"], "memory --policy-users -1", "--policy-users"),
+              (["--threshold", "1"], "memory --threshold 1", "--threshold"))],
     ]
 
 

@@ -20,9 +20,9 @@ import pandas as pd
 from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.schema import check_version
 from kvprobe.tables import (ATTENTION, CALIBRATION, CALIBRATION_SUMMARY, COMPOSE, CONCENTRATION, EDITS, FLAG,  # noqa: F401
-                            INT, KNOCKOUT, LINEAR, LOCALITY, MEMORY, NUMBER, SERVING, SWEEP, SWEEP_SUMMARY,
-                            TABLE_SCHEMAS, TABLES_SCHEMA, TEXT, TOKENS, TTFT, UNITS, VALIDITY, WEIGHT_EDITS,
-                            TableSchema, read_table, table_metadata, table_schema, unit_of)
+                            INT, KNOCKOUT, LINEAR, LOCALITY, MEMORY, MEMORY_CALIBRATION, NUMBER, SERVING, SWEEP,
+                            SWEEP_SUMMARY, TABLE_SCHEMAS, TABLES_SCHEMA, TEXT, TOKENS, TTFT, UNITS, VALIDITY,
+                            WEIGHT_EDITS, TableSchema, read_table, table_metadata, table_schema, unit_of)
 
 MANIFEST = "manifest.json"
 RANKING_RULE = "ranking_rule.json"

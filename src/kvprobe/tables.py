@@ -34,6 +34,7 @@ CALIBRATION = "calibration.parquet"  # kvprobe calibrate: one row per (field, pa
 CALIBRATION_SUMMARY = "calibration_summary.parquet"  # one row per (field, strategy)
 WEIGHT_EDITS = "weight_edits.parquet"  # kvprobe weight-edit: one row per case x arm (KV repairs and a LoRA edit)
 MEMORY = "memory.parquet"  # kvprobe memory: one row per question x arm (kvprobe.memory.COLUMNS)
+MEMORY_CALIBRATION = "memory_calibration.parquet"  # kvprobe memory --policy-users: per element x question x strategy
 TABLES_SCHEMA = 1  # the version of TABLE_SCHEMAS' columns, in every results table's parquet metadata
 
 
@@ -174,10 +175,15 @@ TABLE_SCHEMAS: dict[str, TableSchema] = {
                                whole="k tokens_total cot n_tokens steps contamination_changed contamination_n",
                                flag="agree correct rewritten_prompt control valid reached"),
     MEMORY: table_schema("a `kvprobe memory` table",
-                         text="model question_id user_id kind fact group arm layout answer expected reference error",
+                         text="model question_id user_id kind fact group arm repair layout answer expected reference "
+                              "error",
                          number="margin correct agree changed tokens_recomputed frac_recomputed wall_s decide_s "
                                 "setup_s",
                          whole="context_tokens"),
+    MEMORY_CALIBRATION: table_schema("a `kvprobe memory` policy calibration table",
+                                     text="element user_id fact question_id kind strategy answer reference",
+                                     number="margin wall_s decide_s", whole="tokens_recomputed",
+                                     flag="agree changed"),
     SWEEP_SUMMARY: table_schema("a `kvprobe sweep` summary", text="cell layout field_style rule_style measure name",
                                 number="downstream_tokens n_tokens agree agree_lo agree_hi recovery recovery_lo "
                                        "recovery_hi frac_recomputed validity case_s",

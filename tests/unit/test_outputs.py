@@ -81,6 +81,7 @@ def check_folder(folder: Path) -> tuple[int, int]:
      "--blocks", "1,2", "--threshold", "0"),
     ("sweep", "--model", "toy-qwen2", "--n", "1", "--valid", "1", "--filler-tokens", "0"),
     ("calibrate", "examples/calibrate-toy.yaml", "--model", "toy-qwen2", "--max-pairs", "2"),
+    ("memory", "--model", "toy-qwen2", "--n", "4", "--session-tokens", "40,60", "--seams", "0", "--policy-users", "1"),
 ], ids=lambda c: c[0])
 def test_each_commands_files_fit_the_schema(command, tmp_path):
     out = tmp_path / "out"
@@ -88,7 +89,7 @@ def test_each_commands_files_fit_the_schema(command, tmp_path):
     assert proc.returncode in (0, 1), proc.stderr[-2000:]  # calibrate: no verdict within 2 pairs is exit 1
     tables, keys = check_folder(out)
     print(f"{command[0]}: {tables} tables, {keys} JSON/YAML keys checked")
-    assert tables >= {"run": 8, "validate": 1, "sweep": 2, "calibrate": 2}[command[0]] and keys > 10
+    assert tables >= {"run": 8, "validate": 1, "sweep": 2, "calibrate": 2, "memory": 2}[command[0]] and keys > 10
 
 
 def test_the_check_fails_on_a_file_in_another_unit(tmp_path):

@@ -319,13 +319,13 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
                 res.counts[s][0] += ok
                 res.counts[s][1] += 1
             progress(name, res.pairs, max_pairs)
-            if _decide(res, seq, candidates):
+            if decide(res, seq, candidates):
                 break
             if res.pairs >= max_pairs:
-                _decide(res, seq, candidates, final=True)
+                decide(res, seq, candidates, final=True)
                 break
         else:
-            _decide(res, seq, candidates, final=True)
+            decide(res, seq, candidates, final=True)
         loop.close()  # pairs measured ahead of the stopping point are counted now
         res.seconds = time.perf_counter() - start
         results.append(res)
@@ -335,12 +335,14 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
     return Calibration(rows, summary, policy, results, prefix.tokens_saved, executor.wasted - wasted)
 
 
-def _decide(res: FieldResult, seq: Sequence, candidates: list[str], final: bool = False) -> bool:
-    """Set the field's choice from the verdicts so far; True when the field may stop."""
+def decide(res: FieldResult, seq: Sequence, candidates: list[str], final: bool = False,
+           unit: str = "pairs") -> bool:
+    """Set the field's choice from the verdicts so far; True when the field may stop. ``unit`` names
+    what one draw of the stream is in the reason (kvprobe memory's policy: ``edits``)."""
     verdicts = {s: seq.verdict(*res.counts[s]) for s in candidates}
     live = [s for s in candidates if verdicts[s] != "ruled out"]
-    relevance = ("no pair changed the oracle's decision" if res.changed == 0 else
-                 f"{res.changed} of {res.pairs} pairs changed the oracle's decision")
+    relevance = (f"no {unit[:-1]} changed the oracle's decision" if res.changed == 0 else
+                 f"{res.changed} of {res.pairs} {unit} changed the oracle's decision")
     if not live:
         res.chosen, res.verdict = "oracle", "established"
         res.reason = f"every candidate is ruled out below {seq.threshold:g} ({relevance})"
@@ -351,7 +353,7 @@ def _decide(res: FieldResult, seq: Sequence, candidates: list[str], final: bool 
         res.chosen, res.verdict = first, "established"
         cheaper = ("the cheapest candidate" if first == candidates[0] else
                    f"{', '.join(candidates[:candidates.index(first)])} ruled out")
-        res.reason = (f"{first} gives the oracle's decision on {k} of {n} pairs (lower bound "
+        res.reason = (f"{first} gives the oracle's decision on {k} of {n} {unit} (lower bound "
                       f"{seq.lower(k, n):.3f} >= {seq.threshold:g}; {cheaper}); {relevance}")
         return True
     if final:
@@ -360,11 +362,11 @@ def _decide(res: FieldResult, seq: Sequence, candidates: list[str], final: bool 
             k, n = res.counts[done[0]]
             res.chosen, res.verdict = done[0], "established"
             res.reason = (f"{done[0]} is established (lower bound {seq.lower(k, n):.3f}); cheaper candidates "
-                          f"were still open after {res.pairs} pairs; {relevance}")
+                          f"were still open after {res.pairs} {unit}; {relevance}")
         else:
             out = [s for s in candidates if verdicts[s] == "ruled out"]
             res.chosen, res.verdict = "oracle", "budget"
-            res.reason = (f"no candidate established within {res.pairs} pairs (the budget; "
+            res.reason = (f"no candidate established within {res.pairs} {unit} (the budget; "
                           + (f"ruled out: {', '.join(out)}; " if out else "")
-                          + f"still open: {', '.join(live)}): the oracle until more pairs are measured; {relevance}")
+                          + f"still open: {', '.join(live)}): the oracle until more {unit} are measured; {relevance}")
     return False

@@ -26,6 +26,11 @@ Margin = Annotated[float, typer.Option(help="TOST equivalence margin for an accu
 Alpha = Annotated[float, typer.Option(help="TOST level: equivalent when the (1 - 2 alpha) interval lies inside "
                                            "(-margin, margin); in (0, 0.5)")]
 MemN = Annotated[int, typer.Option("--n", min=1, help="questions (users: n / questions-per-user, rounded up)")]
+PolicyUsers = Annotated[int, typer.Option("--policy-users", help=(
+    "calibration users (apart from the evaluation's) for the per-field policy arm: each edited on every profile "
+    "fact, a fact's calibration stopping at its verdict; 0: no policy arm"))]
+Threshold = Annotated[float, typer.Option(help="the policy's repair for a fact is established when the lower bound "
+                                               "of its agreement with the oracle reaches this; in (0, 1)")]
 
 
 def _pair(value: str, option: str) -> tuple[int, int]:
@@ -48,11 +53,13 @@ def _seams(value: str) -> list[int]:
 
 def memory(model: opt.Model = opt.DEFAULTS["model"], n: MemN = 40, seed: opt.Seed = 0,
            form: opt.Form = opt.DEFAULTS["form"], sessions: Sessions = 3, session_tokens: SessionTokens = "120,200",
-           questions_per_user: PerUser = 4, seams: Seams = "0,4", margin: Margin = 0.05, alpha: Alpha = 0.05,
+           questions_per_user: PerUser = 4, seams: Seams = "0,4", policy_users: PolicyUsers = 0,
+           threshold: Threshold = 0.95, margin: Margin = 0.05, alpha: Alpha = 0.05,
            dtype: opt.Dtype = "float32", device: opt.Device = "cpu", device_map: opt.DeviceMap = "none",
            allow_failed_toy: opt.AllowFailedToy = False, out: opt.Out = None) -> None:
-    """QA accuracy with the user profile early vs late, a profile fact edited (oracle, erratum, field-only),
-    and the profile transplanted vs full recompute with a TOST; writes memory.parquet and prints the summary.
+    """QA accuracy with the user profile early vs late, a profile fact edited (oracle, erratum, field-only, and
+    with --policy-users the per-field policy calibrated on other users), and the profile transplanted vs full
+    recompute with a TOST; writes memory.parquet and prints the summary.
 
     Exits 2 for a bad option (before anything is loaded or claimed).
     """
@@ -66,21 +73,30 @@ def memory(model: opt.Model = opt.DEFAULTS["model"], n: MemN = 40, seed: opt.See
         raise UsageError(f"--margin must be in (0, 1), got {margin}")
     if not 0 < alpha < 0.5:
         raise UsageError(f"--alpha must be in (0, 0.5), got {alpha}")
+    if not 0 <= policy_users <= 10_000:
+        raise UsageError(f"--policy-users must be a whole number in 0..10000 (0: no policy arm), got {policy_users}")
+    if not (math.isfinite(threshold) and 0 < threshold < 1):
+        raise UsageError(f"--threshold must be a number in (0, 1), got {threshold}")
     out = usable_out(out or opt.default_out("memory", model))
     settings = {"command": "memory", "model": model, "n": n, "seed": seed, "form": form, "sessions": sessions,
                 "session_tokens": list(span), "questions_per_user": questions_per_user, "seams": seam_list,
-                "arms": [a for _, a in arms(seam_list)]}  # a folder from a kvprobe with other arms is refused
+                "arms": [a for _, a in arms(seam_list, policy_users > 0)]}  # other arms' folder: refused
+    if policy_users:  # the policy arm's rows depend on its calibration
+        settings.update(policy_users=policy_users, threshold=threshold)
     folder = ResultsFolder(out, MEMORY_CLAIM, settings, held="kvprobe memory with other settings", dtype=dtype)
     folder.check()  # fail before loading; claimed once every input is valid
     lm = load_with_status(model, dtype, device, allow_failed_toy=allow_failed_toy, device_map=device_map)
     data = generate_memory(n, seed, lm.tokenizer, sessions, span, questions_per_user)
     check_case_ids(q.question_id for q in data.questions)
     folder.claim(lm, {q.question_id: _Item(q, data.users[q.user_id]) for q in data.questions})
-    store = folder.parts("memory")
+    store, policy = folder.parts("memory"), None
+    if policy_users:
+        policy = _calibrate(lm, folder, policy_users, seed, form, sessions, span, threshold, model)
     with progress_bar() as bar:
         task = bar.add_task(f"memory: {len(data.questions)} questions of {len(data.users)} users", total=n)
         df = run_memory(lm, n, seed, form, sessions, span, questions_per_user, seam_list, model_name=model,
-                        store=store, on_question=lambda: bar.advance(task), data=data)
+                        store=store, on_question=lambda: bar.advance(task), data=data,
+                        policy=policy.repairs if policy else None)
     path = store.collect()
     from kvprobe.memory import equivalence, summarize_memory
 
@@ -88,9 +104,44 @@ def memory(model: opt.Model = opt.DEFAULTS["model"], n: MemN = 40, seed: opt.See
     folder.write(MEMORY_MANIFEST, folder.manifest(
         lm, **folder.settings, margin=margin, alpha=alpha, n_users=len(data.users),
         tost_test="interval inclusion: the (1 - 2 alpha) Tango score interval for paired proportions",
+        policy=policy.describe() if policy else None,
         summary=summ.to_dict(orient="records"), equivalence=tost.to_dict(orient="records")))
+    from kvprobe.reports.summary import write_summary
+
+    summary = write_summary(out)  # summary.json's memory fact, and the report's section, read the folder
     print_summary(summ, tost, model)
-    console.print(f"wrote {path} ({MEMORY})")
+    console.print(f"wrote {path} ({MEMORY}) and {summary}")
+
+
+def _calibrate(lm, folder, users: int, seed: int, form: str, sessions: int, span, threshold: float, title: str):
+    """The per-field policy, calibrated on ``users`` calibration users (kept for resume), printed."""
+    from kvprobe.datasets.memory import calibration_memory
+    from kvprobe.memory.policy import calibrate_policy
+    from kvprobe.results import MEMORY_CALIBRATION
+
+    data = calibration_memory(users, seed, lm.tokenizer, sessions, span)
+    store = folder.parts(MEMORY_CALIBRATION.removesuffix(".parquet"))
+    with progress_bar() as bar:
+        task = bar.add_task(f"policy: calibrating on {users} users ({len(data.users)} edits at most)",
+                            total=len(data.users))
+        policy = calibrate_policy(lm, users, seed, form, sessions, span, threshold, store=store, data=data,
+                                  on_element=lambda fact, done: bar.advance(task))
+    store.collect()
+    print_policy(policy, title)
+    return policy
+
+
+def print_policy(policy, title: str) -> None:
+    """Per profile fact: the repair chosen, each candidate's agreement with its interval, and why."""
+    table = Table(title=f"per-field policy: {title} (threshold {policy.threshold:g}; elements = edits of the fact; "
+                        f"intervals: confidence sequence)")
+    for col in ("fact", "elements", "changed", "field_only", "erratum", "repair", "why"):
+        table.add_column(col, justify="right" if col in ("elements", "changed") else "left")
+    for f in policy.describe()["fields"].items():
+        name, d = f
+        cells = [f"{s['k']}/{s['n']} [{s['lo']:.2f}, {s['hi']:.2f}]" for s in d["strategies"].values()]
+        table.add_row(name, str(d["elements"]), str(d["changed"]), *cells, d["repair"], d["reason"])
+    console.print(table)
 
 
 class _Item:
@@ -111,7 +162,8 @@ def print_summary(summ, tost, title: str) -> None:
                 "recomputed tokens (frac)", "state ms", "read ms"):
         table.add_column(col, justify="left" if col in ("group", "arm") else "right")
     for r in summ.itertuples():
-        table.add_row(r.group, r.arm, _ci(r.accuracy, r.accuracy_lo, r.accuracy_hi, r.accuracy_n),
+        arm = f"{r.arm} ({r.repairs})" if getattr(r, "repairs", "") else r.arm  # the policy's repairs
+        table.add_row(r.group, arm, _ci(r.accuracy, r.accuracy_lo, r.accuracy_hi, r.accuracy_n),
                       _ci(r.agreement, r.agreement_lo, r.agreement_hi, r.agreement_n),
                       _ci(r.negative_changed, r.negative_changed_lo, r.negative_changed_hi, r.negative_changed_n),
                       f"{r.tokens_recomputed:.0f} ({r.frac_recomputed:.2f})", f"{1000 * r.wall_s:.1f}",

@@ -301,7 +301,7 @@ def _user(uid: str, seed: int, tokenizer, sessions: int, session_tokens: tuple[i
 
 
 def _questions(user: MemoryUser, rng: random.Random, k: int, start: int, seed: int,
-               pool: dict[str, Fact]) -> list[MemoryQuestion]:
+               pool: dict[str, Fact], prefix: str = "mem") -> list[MemoryQuestion]:
     values, remarked = user.values, {(key, v) for key, v in user.remarks}
     kinds = ["edited", "other", "negative"] + [KINDS[i % 3] for i in range(k - 3)]
     out = []
@@ -320,7 +320,7 @@ def _questions(user: MemoryUser, rng: random.Random, k: int, start: int, seed: i
             fact = rng.choice(NEGATIVE_FACTS)
             asked, old, new = rng.choice(fact.values), "", ""
         text = f"{fact.question.format(v=asked)} {ANSWER_WITH.format(a=OPTIONS[0], b=OPTIONS[1])}"
-        out.append(MemoryQuestion(f"mem-s{seed}-{start + j:05d}-{kind}", user.user_id, kind, fact.key, asked, text,
+        out.append(MemoryQuestion(f"{prefix}-s{seed}-{start + j:05d}-{kind}", user.user_id, kind, fact.key, asked, text,
                                   old, new))
     return out
 
@@ -346,6 +346,38 @@ def generate_memory(n: int, seed: int = 0, tokenizer=None, sessions: int = 3,
     questions = questions[:n]
     return MemorySet(SYSTEM, OPTIONS, {k: v for k, v in users.items() if any(q.user_id == k for q in questions)},
                      questions)
+
+
+def calibration_memory(n_users: int, seed: int = 0, tokenizer=None, sessions: int = 3,
+                       session_tokens: tuple[int, int] = (120, 200), n_facts: int = 6) -> MemorySet:
+    """The per-field policy's calibration split: ``n_users`` users drawn apart from the evaluation's
+    (ids ``cal-s{seed}-NNNN``, never an evaluation user's), each edited on every fact of its profile
+    in turn. One *element* per (user, fact): a user ``cal-s{seed}-NNNN:{fact}`` with the base user's
+    profile, trajectory and remarks, that fact's edit (to a value of the same token length where the
+    vocabulary has one, never a value the trajectory's remarks name) and four questions: edited (its
+    old value), other, negative, edited (its new value). Elements of one base user share its late
+    context (the profile is the current one until the edit), so its cache is built once."""
+    session_tokens = tuple(session_tokens)
+    check_options(n_users, sessions, session_tokens, 4)
+    pool = usable_facts(tokenizer)
+    if not 2 <= n_facts <= len(pool):
+        raise UsageError(f"n_facts must be in 2..{len(pool)} (the facts whose values this tokenizer spells), "
+                         f"got {n_facts}")
+    by_key = {f.key: f for f in pool}
+    users: dict[str, MemoryUser] = {}
+    questions: list[MemoryQuestion] = []
+    for u in range(n_users):
+        base, rng = _user(f"cal-s{seed}-{u:04d}", seed, tokenizer, sessions, session_tokens, n_facts, pool)
+        remarked = {(key, v) for key, v in base.remarks}
+        for key, old in base.profile:
+            others = [v for v in by_key[key].values if v != old and (key, v) not in remarked]
+            others = others or [v for v in by_key[key].values if v != old]
+            same = [v for v in others if _value_length(tokenizer, v) == _value_length(tokenizer, old)]
+            element = dataclasses.replace(base, user_id=f"{base.user_id}:{key}", edit_key=key,
+                                          edit_new=rng.choice(same or others))
+            users[element.user_id] = element
+            questions += _questions(element, rng, 4, len(questions), seed, by_key, prefix="cal")
+    return MemorySet(SYSTEM, OPTIONS, users, questions)
 
 
 # -- tokens for one model --------------------------------------------------------------------------

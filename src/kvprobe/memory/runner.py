@@ -14,6 +14,8 @@ Arms, by ``group``::
                                   is the model's answer bias under any appended line)
                 field_only        the late cache with the edited value's tokens recomputed against it
                                   (:func:`~kvprobe.kv.recompute.recompute_positions`), the rest stale
+                policy            with a per-field policy (:mod:`kvprobe.memory.policy`): the row of
+                                  the repair it chose for the user's edited fact (``repair``)
     transplant  transplant_full   full prefill of preamble + the next session + profile
                 transplant_seamS  the profile precompiled once behind the preamble (a block), spliced
                                   after preamble + next session with re-rotation
@@ -51,7 +53,7 @@ from kvprobe.metrics import mean_ci, proportion, tost_paired
 GROUPS = ("qa", "edit", "transplant")
 DEFAULT_SEAMS = (0, 4)
 DEFAULT_MARGIN = 0.05
-COLUMNS = ("model", "question_id", "user_id", "kind", "fact", "group", "arm", "layout", "answer", "margin",
+COLUMNS = ("model", "question_id", "user_id", "kind", "fact", "group", "arm", "repair", "layout", "answer", "margin",
            "expected", "correct", "reference", "agree", "changed", "context_tokens", "tokens_recomputed",
            "frac_recomputed", "wall_s", "decide_s", "setup_s", "error")
 
@@ -72,11 +74,11 @@ def seam_arm(seam: int) -> str:
     return f"transplant_seam{seam}"
 
 
-def arms(seams: Sequence[int] = DEFAULT_SEAMS) -> list[tuple[str, str]]:
-    """(group, arm) in table order."""
+def arms(seams: Sequence[int] = DEFAULT_SEAMS, policy: bool = False) -> list[tuple[str, str]]:
+    """(group, arm) in table order (``policy``: with the per-field policy arm)."""
     return [("qa", "early"), ("qa", "late"), ("edit", "stale"), ("edit", "oracle"), ("edit", "erratum"),
-            ("edit", "neutral"), ("edit", "field_only"), ("transplant", "transplant_full"),
-            *(("transplant", seam_arm(s)) for s in seams)]
+            ("edit", "neutral"), ("edit", "field_only"), *([("edit", "policy")] if policy else []),
+            ("transplant", "transplant_full"), *(("transplant", seam_arm(s)) for s in seams)]
 
 
 @torch.no_grad()
@@ -140,15 +142,24 @@ def user_states(lm, data: MemorySet, segs: MemorySegments, user_id: str, seams: 
 
 
 def question_rows(lm, data: MemorySet, segs: MemorySegments, states: dict[str, State], question_id: str,
-                  options: dict[str, list[int]], seams: Sequence[int], model_name: str = "") -> pd.DataFrame:
-    """One row per arm for one question, read on its user's ``states``."""
+                  options: dict[str, list[int]], seams: Sequence[int], model_name: str = "",
+                  policy: dict[str, str] | None = None) -> pd.DataFrame:
+    """One row per arm for one question, read on its user's ``states``. With ``policy`` (fact key ->
+    ``field_only``, ``erratum`` or ``oracle``: :mod:`kvprobe.memory.policy`), the ``policy`` arm is the
+    row of the repair chosen for the user's edited fact (the same state and read: nothing recomputed;
+    ``repair`` names it; a fact the policy lacks gets the oracle)."""
     q = next(x for x in data.questions if x.question_id == question_id)
     tail = segs.questions[q.question_id]
     rows = {}
-    for group, arm in arms(seams):
+    for group, arm in arms(seams, policy is not None):
+        if arm == "policy":
+            chosen = policy.get(data.users[q.user_id].edit_key, "oracle")
+            rows[arm] = {**rows[chosen], "arm": arm, "repair": chosen}
+            continue
         st = states[arm]
         row = {"model": model_name, "question_id": q.question_id, "user_id": q.user_id, "kind": q.kind,
-               "fact": q.fact, "group": group, "arm": arm, "layout": "early" if arm == "early" else "late",
+               "fact": q.fact, "group": group, "arm": arm, "repair": None,
+               "layout": "early" if arm == "early" else "late",
                "expected": q.expected_new if group == "edit" else q.expected_old,
                "context_tokens": st.context_tokens + len(tail), "setup_s": st.setup_s, "error": st.error or None}
         if st.cache is None:
@@ -174,11 +185,12 @@ def question_rows(lm, data: MemorySet, segs: MemorySegments, states: dict[str, S
 def run_memory(lm, n: int, seed: int = 0, form: str = "auto", sessions: int = 3,
                session_tokens: tuple[int, int] = (120, 200), questions_per_user: int = 4,
                seams: Sequence[int] = DEFAULT_SEAMS, model_name: str = "", store=None,
-               on_question: Callable[[], None] = lambda: None, executor=None, data: MemorySet | None = None
-               ) -> pd.DataFrame:
+               on_question: Callable[[], None] = lambda: None, executor=None, data: MemorySet | None = None,
+               policy: dict[str, str] | None = None) -> pd.DataFrame:
     """Every arm on ``n`` questions of the memory set (finished questions kept in ``store``, a
     :class:`~kvprobe.results.CaseStore`, for resume), through ``executor`` (serial by default).
-    The states of the user of the question at hand are kept per process (one user at a time)."""
+    The states of the user of the question at hand are kept per process (one user at a time).
+    ``policy`` (fact key -> repair, :func:`kvprobe.memory.policy.calibrate_policy`) adds its arm."""
     data = data or generate_memory(n, seed, lm.tokenizer, sessions, session_tokens, questions_per_user)
     segs = segments(data, lm.tokenizer, form)
     options = {o: option_token_ids(lm.tokenizer, o) for o in data.options}
@@ -191,7 +203,7 @@ def run_memory(lm, n: int, seed: int = 0, form: str = "auto", sessions: int = 3,
             ctx.memo.pop("memory.user", None)  # one user's caches at a time
             ctx.memo["memory.user"] = (q.user_id, user_states(ctx.lm, data, segs, q.user_id, seams))
         return question_rows(ctx.lm, data, segs, ctx.memo["memory.user"][1], q.question_id, options, seams,
-                             model_name)
+                             model_name, policy)
 
     executor = executor or Serial()
     return executor.map(store, [(q.question_id, q) for q in data.questions], one, Context(lm), on_question)
@@ -218,7 +230,9 @@ def summarize_memory(df: pd.DataFrame, margin: float = DEFAULT_MARGIN) -> pd.Dat
                      "negative_changed_n": neg[3],
                      "tokens_recomputed": mean_ci(ok["tokens_recomputed"])[0],
                      "frac_recomputed": mean_ci(ok["frac_recomputed"])[0],
-                     "wall_s": mean_ci(ok["wall_s"])[0], "decide_s": mean_ci(ok["decide_s"])[0]})
+                     "wall_s": mean_ci(ok["wall_s"])[0], "decide_s": mean_ci(ok["decide_s"])[0],
+                     "repairs": ", ".join(f"{k} {v}" for k, v in ok["repair"].value_counts().items())
+                     if "repair" in ok else ""})
     return pd.DataFrame(rows)
 
 
@@ -237,5 +251,6 @@ def equivalence(df: pd.DataFrame, margin: float = DEFAULT_MARGIN, alpha: float =
     rows = []
     for a, b in [*pairs, ("late", "early")]:
         x, y = paired(df[df["error"].isna()], a, b)
-        rows.append({"arm": a, "against": b, **tost_paired(x, y, margin, alpha)})
+        t = tost_paired(x, y, margin, alpha)
+        rows.append({"arm": a, "against": b, "value": t["diff"], **t})  # value: the house's name for a statistic
     return pd.DataFrame(rows)
