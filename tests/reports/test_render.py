@@ -20,7 +20,7 @@ from kvprobe.datasets.tokens import TOKENS
 from kvprobe.results import COMPOSE, EDITS, KNOCKOUT, LINEAR, LOCALITY, MANIFEST
 
 # every registered section but those drawn from tables the fixture runs do not write
-ALL = [s.id for s in in_order() if s.id not in ("compose", "serving", "weight_edit")]
+ALL = [s.id for s in in_order() if s.id not in ("compose", "serving", "weight_edit", "memory")]
 SVG_NAMESPACES = {"http://www.w3.org/2000/svg", "http://www.w3.org/1999/xlink"}
 
 

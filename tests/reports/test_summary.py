@@ -44,7 +44,7 @@ def test_summary_json_validates_and_headline_leads(tiny_results, tmp_path):
     assert path == folder / SUMMARY
     data = json.loads(path.read_text())
     jsonschema.validate(data, schema())
-    assert data["kvprobe_summary"] == 4 and data["weight_edit"] is None and data["headline"]
+    assert data["kvprobe_summary"] == 5 and data["weight_edit"] is None and data["memory"] is None and data["headline"]
     assert data["validity"]["decision"] == 3
     assert [r["strategy"] for r in data["strategies"]] == ["stale", "field_only", "selective:4:random", "erratum",
                                                            "oracle"]
@@ -71,7 +71,8 @@ def test_the_schema_refuses_what_it_does_not_describe(tiny_results):
 
 def test_repair_is_the_cheapest_whose_lower_bound_reaches_the_threshold():
     rows = [_row("stale", 1.0, 0.96, 90, 0.0), _row("field_only", 0.9, 0.82, 90, 0.01),
-            _row("erratum_turn", 1.0, 0.96, 90, 0.30, seconds=0.005), _row("cacheblend:0.15", 1.0, 0.96, 90, 0.20, seconds=0.05),
+            _row("erratum_turn", 1.0, 0.96, 90, 0.30, seconds=0.005),
+            _row("cacheblend:0.15", 1.0, 0.96, 90, 0.20, seconds=0.05),
             _row("hoist", 1.0, 0.96, 90, 0.15), _row("oracle", 1.0, 0.96, 90, 1.0)]
     r = repair(rows, 0.95)  # hoist is cheaper but rewrites the prompt: never chosen (as Policy.cheapest)
     assert r["recommended"] == "cacheblend:0.15" and r["qualifying"] == ["cacheblend:0.15", "erratum_turn"]

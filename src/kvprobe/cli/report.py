@@ -10,7 +10,7 @@ from kvprobe.cli.common import console
 from kvprobe.errors import UsageError
 
 
-def report(results_dirs: list[Path] = typer.Argument(..., help="results folders of `kvprobe run` / `validate` / `serve-bench` (or one `kvprobe sweep` folder); "
+def report(results_dirs: list[Path] = typer.Argument(..., help="results folders of `kvprobe run` / `validate` / `serve-bench` / `weight-edit` / `memory` (or one `kvprobe sweep` folder); "
                                                                 "several give one column per model"),
            out: Path | None = typer.Option(None, show_default="RESULTS_DIR/report.html for one folder, report.html "
                                                               "for several", help="HTML file to write")) -> None:

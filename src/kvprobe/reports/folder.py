@@ -4,7 +4,8 @@ A folder is whatever ``kvprobe run`` or ``kvprobe validate`` wrote: ``manifest.j
 probe tables, and/or ``compose.parquet`` with ``compose_manifest.json``, optionally
 ``tokens.parquet`` (:mod:`kvprobe.datasets.tokens`) and ``ttft.parquet`` (:data:`TTFT`), and/or
 ``serving.parquet`` with ``serving_manifest.json`` (``kvprobe serve-bench``), and/or
-``weight_edits.parquet`` with ``weight_edit_manifest.json`` (``kvprobe weight-edit``).
+``weight_edits.parquet`` with ``weight_edit_manifest.json`` (``kvprobe weight-edit``), and/or
+``memory.parquet`` with ``memory_manifest.json`` (``kvprobe memory``).
 """
 
 from __future__ import annotations
@@ -20,15 +21,15 @@ from kvprobe.editor.topk import TOPK_FILE
 from kvprobe.policy import READS
 from kvprobe.datasets.tokens import TOKENS
 from kvprobe.results import (ATTENTION, COMPOSE, COMPOSE_MANIFEST, CONCENTRATION, EDITS, KNOCKOUT, LINEAR, LOCALITY,
-                             MANIFEST, RANKING_RULE, RUN_MANIFEST_KEYS, SERVING, SERVING_MANIFEST, VALIDITY,
-                             WEIGHT_EDITS, json_object, read_table)
+                             MANIFEST, MEMORY, MEMORY_MANIFEST, RANKING_RULE, RUN_MANIFEST_KEYS, SERVING,
+                             SERVING_MANIFEST, VALIDITY, WEIGHT_EDITS, json_object, read_table)
 from kvprobe.schema import check_version
 
 # Time to first token, full prefill against a composed cache: one row per (block_tokens, timed repeat),
 # columns block_tokens, full_s, compose_s, speedup (= full_s / compose_s); optional: model, seam.
 TTFT = "ttft.parquet"
 TABLES = (VALIDITY, LOCALITY, CONCENTRATION, ATTENTION, KNOCKOUT, LINEAR, EDITS, COMPOSE, TOKENS, TTFT, SERVING,
-          WEIGHT_EDITS)
+          WEIGHT_EDITS, MEMORY)
 WEIGHT_EDIT_MANIFEST = "weight_edit_manifest.json"
 # The columns the report's sections and compare's summaries read unconditionally: a table with rows that
 # lacks one is refused in one line naming it (read_table; the kinds of all columns are checked there too).
@@ -45,8 +46,12 @@ NEEDS = {
     TOKENS: ("case_id", "position", "token", "token_new", "kind", "region"),
     WEIGHT_EDITS: ("case_id", "strategy", "method", "kind", "valid", "agree", "wall_s", "decide_s", "setup_s",
                    "contamination", "contamination_n", "contamination_basis", "error"),
+    # not repair: folders written before the policy arm lack it (kvprobe.memory.summarize_memory reads it where present)
+    MEMORY: ("question_id", "kind", "group", "arm", "correct", "agree", "changed", "tokens_recomputed",
+             "frac_recomputed", "wall_s", "decide_s", "error"),
 }
-KNOWN = (MANIFEST, COMPOSE_MANIFEST, SERVING_MANIFEST, WEIGHT_EDIT_MANIFEST, TOPK_FILE, RANKING_RULE) + TABLES
+KNOWN = (MANIFEST, COMPOSE_MANIFEST, SERVING_MANIFEST, WEIGHT_EDIT_MANIFEST, MEMORY_MANIFEST, TOPK_FILE,
+         RANKING_RULE) + TABLES
 
 
 @dataclass
@@ -59,6 +64,7 @@ class Run:
     compose_manifest: dict = field(default_factory=dict)
     serving_manifest: dict = field(default_factory=dict)
     weight_edit_manifest: dict = field(default_factory=dict)
+    memory_manifest: dict = field(default_factory=dict)
     ranking_rule: dict = field(default_factory=dict)
     topk_text: str | None = None
     topk: dict = field(default_factory=dict)
@@ -92,8 +98,8 @@ def load_run(folder: Path | str, tables: tuple[str, ...] = ()) -> Run:
     present = [name for name in KNOWN + tables if (folder / name).exists()]
     if not present:
         raise KvprobeError(f"{folder} is not a kvprobe results folder (none of {MANIFEST}, {COMPOSE}, ... found); "
-                           f"run `kvprobe run`, `kvprobe validate`, `kvprobe serve-bench` or `kvprobe weight-edit` "
-                           f"first")
+                           f"run `kvprobe run`, `kvprobe validate`, `kvprobe serve-bench`, `kvprobe weight-edit` or "
+                           f"`kvprobe memory` first")
     run = Run(folder=folder, label="")
     if (folder / MANIFEST).exists():
         run.manifest = json_object(folder / MANIFEST, RUN_MANIFEST_KEYS, "a `kvprobe run` manifest")
@@ -111,6 +117,8 @@ def load_run(folder: Path | str, tables: tuple[str, ...] = ()) -> Run:
                                f"'{folder / 'agent.parquet'}')), which serve-bench printed")
     if (folder / WEIGHT_EDIT_MANIFEST).exists():
         run.weight_edit_manifest = json_object(folder / WEIGHT_EDIT_MANIFEST, what="a `kvprobe weight-edit` manifest")
+    if (folder / MEMORY_MANIFEST).exists():
+        run.memory_manifest = json_object(folder / MEMORY_MANIFEST, what="a `kvprobe memory` manifest")
     if (folder / RANKING_RULE).exists():
         run.ranking_rule = json_object(folder / RANKING_RULE, what="a ranking rule")
     if (folder / TOPK_FILE).exists():
@@ -139,11 +147,12 @@ def _label(run: Run) -> str:
     if not spec:
         m = run.compose_manifest.get("model")
         spec = m.get("spec") if isinstance(m, dict) else m
+    for other in (run.weight_edit_manifest, run.memory_manifest):
+        if not spec:
+            m = other.get("model")
+            spec = m.get("spec") if isinstance(m, dict) else m
     if not spec:
-        m = run.weight_edit_manifest.get("model")
-        spec = m.get("spec") if isinstance(m, dict) else m
-    if not spec:
-        for name in (COMPOSE, TTFT, SERVING, WEIGHT_EDITS):
+        for name in (COMPOSE, TTFT, SERVING, WEIGHT_EDITS, MEMORY):
             df = run.tables.get(name)
             if df is not None and "model" in df and len(df):
                 spec = str(df["model"].iloc[0])

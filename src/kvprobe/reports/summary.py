@@ -19,6 +19,10 @@ run``, ``summary.json`` and ``kvprobe compare``: a pure function of the folder's
    (the KV repairs and the LoRA edit) agreement with the oracle, the median time to the edited
    decision, setup, and contamination (a bootstrap over edited cases; 0 by construction for a KV
    repair).
+7. **User memory** (``memory``), where the folder holds ``kvprobe memory``'s table: per arm accuracy,
+   agreement with the group's reference, the negative questions the edit changed and cost, the TOST
+   rows (recomputed from the table at the manifest's margin and alpha), and the per-field policy's
+   choices where the run calibrated one.
 
 ``strategies`` is the main strategy table (the configured strategies, no chain-of-thought, valid
 decision cases; control invariance over the valid controls). Every share is a Wilson 95%
@@ -36,18 +40,20 @@ from pathlib import Path
 import pandas as pd
 
 from kvprobe.defaults import DEFAULT_THRESHOLD, GATE_SEAM, GATE_THRESHOLD
+from kvprobe.errors import KvprobeError
 from kvprobe.editor.topk import held_out_decisions, k_star_for, k_sweep
 from kvprobe.metrics import summarize_edits, valid_case_ids
 from kvprobe.reports.folder import Run, load_run
 from kvprobe.repair_rule import RULE, Candidate, Leg, cases_to_establish, cheapest_on, choose, closest, is_repair
 from kvprobe.reports.stats import Stat
-from kvprobe.results import COMPOSE, EDITS, LOCALITY, VALIDITY, atomic_write_json
+from kvprobe.results import COMPOSE, EDITS, LOCALITY, MEMORY, MEMORY_MANIFEST, VALIDITY, atomic_write_json
 from kvprobe.sweep.summary import FIELD_ABOVE, NOTES_BELOW, verdict
 
 SUMMARY = "summary.json"
 SCHEMA = Path(__file__).with_name("summary.schema.json")
-SCHEMA_VERSION = 4  # 2: the repair rule needs both legs; per_field, why_not; the run's sizing. 3: durations in
-# seconds (repair_s, to_decision_s), as every other kvprobe file. 4: weight_edit (kvprobe weight-edit folders)
+SCHEMA_VERSION = 5  # 2: the repair rule needs both legs; per_field, why_not; the run's sizing. 3: durations in
+# seconds (repair_s, to_decision_s), as every other kvprobe file. 4: weight_edit (kvprobe weight-edit folders).
+# 5: memory (kvprobe memory folders)
 WHERE = {"takes notes": "downstream notes", "reads the field": "the field", "mixed": "mixed",
          "inconclusive": "inconclusive"}
 TOP_K = 8  # the top-notes figure quoted beside the verdict (the middle K when the run has no 8)
@@ -227,7 +233,8 @@ def repair(rows: list[dict], threshold: float) -> dict | None:
     elif dec and ctl:
         d, c = (next(x for x in tried if x["strategy"] == name) for name in (dec, ctl))
         out["sentence"] = (f"Repair per kind of field (no single repair is established on both legs at {threshold:g}): "
-                           f"for the fields that decide, {dec} (agreement {stat_text(d['agreement'])}, {_cost_text(d)}); "
+                           f"for the fields that decide, {dec} (agreement {stat_text(d['agreement'])}, "
+                           f"{_cost_text(d)}); "
                            f"for the fields that must not matter, {ctl} (it keeps the decision on "
                            f"{stat_text(c['control_invariance'])} of the negative controls, {_cost_text(c)}). "
                            f"{dec} is not the repair for every field: {cands[dec].why_not(threshold)}.")
@@ -338,6 +345,89 @@ def weight_edit(run: Run) -> dict | None:
     return {"arms": arms, "sentence": sentence}
 
 
+MEMORY_ALPHA = 0.05  # kvprobe memory's --alpha default, for a table without its manifest
+
+
+def memory_tables(run: Run) -> tuple[pd.DataFrame, pd.DataFrame, float, float] | None:
+    """``kvprobe memory``'s per-arm summary and TOST rows, recomputed from memory.parquet
+    (:func:`kvprobe.memory.summarize_memory`, :func:`kvprobe.memory.equivalence`) at the manifest's
+    margin and alpha (0.05 each where there is no manifest), and those two; None without the table."""
+    df = run.table(MEMORY)
+    if df.empty:
+        return None
+    from kvprobe.memory import DEFAULT_MARGIN, equivalence, summarize_memory
+
+    m = run.memory_manifest
+    margin, alpha = m.get("margin", DEFAULT_MARGIN), m.get("alpha", MEMORY_ALPHA)
+    for key, value, top in (("margin", margin, 1.0), ("alpha", alpha, 0.5)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < top:
+            raise KvprobeError(f"{run.folder / MEMORY_MANIFEST} has {key} {value!r}, where kvprobe memory writes a "
+                               f"number in (0, {top:g}); rerun the command that wrote it, or move the file away")
+    return summarize_memory(df, margin), equivalence(df, margin, alpha), float(margin), float(alpha)
+
+
+def memory(run: Run) -> dict | None:
+    """``kvprobe memory``'s arms, TOST rows and policy (:func:`memory_tables`; the policy as its manifest
+    keeps it, since the calibration that chose it is not in the table)."""
+    tables = memory_tables(run)
+    if tables is None:
+        return None
+    summ, tost, _, _ = tables
+    arms = [{"group": r.group, "arm": r.arm, "questions": int(r.n_questions), "errors": int(r.n_errors),
+             **{name: stat_dict(memory_stat(r, name)) for name in ("accuracy", "agreement", "negative_changed")},
+             "tokens_recomputed": _num(r.tokens_recomputed, 1), "frac_recomputed": _num(r.frac_recomputed),
+             "wall_s": _num(r.wall_s, 5), "decide_s": _num(r.decide_s, 5),
+             "repairs": getattr(r, "repairs", "") or None} for r in summ.itertuples()]
+    tests = [{"arm": r.arm, "against": r.against, "n": int(r.n), "only_a": int(r.only_a), "only_b": int(r.only_b),
+              "difference": {"value": _num(r.diff), "lo": _num(r.lo), "hi": _num(r.hi), "n": int(r.n)},
+              "confidence": _num(r.confidence), "margin": _num(r.margin), "equivalent": bool(r.equivalent)}
+             for r in tost.itertuples()]
+    p = run.memory_manifest.get("policy")
+    policy = ({"threshold": _num(p.get("threshold")),
+               "fields": {str(fact): {"repair": d.get("repair"), "verdict": d.get("verdict"),
+                                      "elements": d.get("elements")}
+                          for fact, d in (p.get("fields") or {}).items()}} if isinstance(p, dict) else None)
+    return {"arms": arms, "equivalence": tests, "policy": policy, "sentence": memory_sentence(summ, tost)}
+
+
+def memory_stat(r, name: str) -> Stat:
+    """The ``name`` share of a :func:`kvprobe.memory.summarize_memory` row (``name``, ``_lo``, ``_hi``, ``_n``)."""
+    return Stat(float(getattr(r, name)), float(getattr(r, f"{name}_lo")), float(getattr(r, f"{name}_hi")),
+                int(getattr(r, f"{name}_n")))
+
+
+def tost_text(r) -> str:
+    """A TOST row of :func:`kvprobe.memory.equivalence`: the difference, its interval, the verdict."""
+    if not r.n:
+        return "no question answered on both arms"
+    return (f"difference {r.diff:+.3f}, {r.confidence:.0%} [{r.lo:+.3f}, {r.hi:+.3f}] n={r.n}, "
+            f"equivalent at ±{r.margin:g}: {'yes' if r.equivalent else 'no'}")
+
+
+def memory_sentence(summ: pd.DataFrame, tost: pd.DataFrame) -> str:
+    """The measured facts of :func:`memory` in one sentence (placement, transplant, the edit repairs), from
+    the unrounded tables, so that its numbers are the report's to the digit."""
+    by = {r.arm: r for r in summ.itertuples()}
+    pairs = {(r.arm, r.against): r for r in tost.itertuples()}
+    parts = []
+    if "late" in by and "early" in by:
+        late = pairs.get(("late", "early"))
+        parts.append(f"late placement accuracy {memory_stat(by['late'], 'accuracy').text()} vs early "
+                     f"{memory_stat(by['early'], 'accuracy').text()}"
+                     + (f" (late - early: {tost_text(late)})" if late else ""))
+    parts += [f"{a} vs full recompute: {tost_text(r)}" for (a, b), r in pairs.items() if b == "transplant_full"]
+    repairs = [by[a] for a in ("erratum", "field_only", "policy") if a in by]
+    if repairs:
+        parts.append("agreement with the oracle: " + ", ".join(
+            f"{r.arm}{f' ({r.repairs})' if getattr(r, 'repairs', '') else ''} {memory_stat(r, 'agreement').text()}"
+            for r in repairs))
+    lines = [by[a] for a in ("erratum", "neutral") if a in by and by[a].negative_changed_n]
+    if lines:
+        parts.append("negative questions whose answer the appended line changed: " + ", ".join(
+            f"{r.arm} {memory_stat(r, 'negative_changed').text()}" for r in lines))
+    return "Memory: " + ("; ".join(parts) if parts else "no arm measured") + "."
+
+
 def validity(run: Run) -> dict | None:
     """How many cases count, and why the others were dropped."""
     m = run.manifest
@@ -377,7 +467,8 @@ def sizing_text(sizing: dict) -> str:
             f"{sizing['valid_decision']} valid decision cases and {sizing['valid_controls']} valid controls, and found "
             f"{sizing.get('valid_decision_found')} and {sizing.get('valid_controls_found')}")
     if sizing.get("stopped") == "targets reached":
-        return head + "; it stopped there, on validity alone (no edit's outcome), so every interval is a fixed-sample one."
+        return head + ("; it stopped there, on validity alone (no edit's outcome), so every interval is a fixed-sample "
+                       "one.")
     return head + f"; it stopped because {sizing.get('reason', 'the budget ran out')}."
 
 
@@ -400,7 +491,8 @@ def summarize_run(run: Run, threshold: float | None = None) -> dict:
         threshold = float(t) if isinstance(t, (int, float)) and 0 <= t <= 1 else DEFAULT_THRESHOLD
     rows = strategy_rows(run)
     facts = {"where": where(run), "repair": repair(rows, threshold), "k_star": k_star(run, threshold),
-             "composition": composition(run), "validity": validity(run), "weight_edit": weight_edit(run)}
+             "composition": composition(run), "validity": validity(run), "weight_edit": weight_edit(run),
+             "memory": memory(run)}
     return {"kvprobe_summary": SCHEMA_VERSION, "model": run.label, "folder": str(run.folder),
             "fingerprint": run.manifest.get("model") if run.manifest else None, "threshold": threshold,
             **facts, "strategies": rows,
