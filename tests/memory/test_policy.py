@@ -147,3 +147,20 @@ def test_the_policy_arm_is_the_row_of_the_repair_chosen_for_the_edited_fact(chos
     pd.testing.assert_series_equal(row.loc["policy", cols], row.loc[chosen, cols], check_names=False)
     assert row.loc["policy", "repair"] == chosen and row.loc["policy", "group"] == "edit"
     assert row.drop(index="policy")["repair"].isna().all()
+
+
+def test_the_policy_arm_falls_back_to_the_oracle_where_its_repair_cannot_be_made():
+    from kvprobe.memory.runner import State
+
+    lm = tiny_model(NAME)
+    data = generate_memory(4, seed=0, tokenizer=lm.tokenizer, session_tokens=(40, 60))
+    segs = segments(data, lm.tokenizer, "raw")
+    uid = data.questions[0].user_id
+    states = dict(user_states(lm, data, segs, uid, (0,)))
+    states["field_only"] = State(None, 10, 0, float("nan"), error="the new value takes +1 token(s)")
+    options = {o: option_token_ids(lm.tokenizer, o) for o in data.options}
+    df = question_rows(lm, data, segs, states, data.questions[0].question_id, options, (0,), NAME,
+                       {data.users[uid].edit_key: "field_only"})
+    row = df.set_index("arm")
+    assert isinstance(row.loc["field_only", "error"], str) and row.loc["policy", "repair"] == "oracle"
+    assert row.loc["policy", "answer"] == row.loc["oracle", "answer"] and pd.isna(row.loc["policy", "error"])

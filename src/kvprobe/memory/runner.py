@@ -147,13 +147,16 @@ def question_rows(lm, data: MemorySet, segs: MemorySegments, states: dict[str, S
     """One row per arm for one question, read on its user's ``states``. With ``policy`` (fact key ->
     ``field_only``, ``erratum`` or ``oracle``: :mod:`kvprobe.memory.policy`), the ``policy`` arm is the
     row of the repair chosen for the user's edited fact (the same state and read: nothing recomputed;
-    ``repair`` names it; a fact the policy lacks gets the oracle)."""
+    ``repair`` names it; a fact the policy lacks, or a repair that cannot be made for this edit, gets
+    the oracle)."""
     q = next(x for x in data.questions if x.question_id == question_id)
     tail = segs.questions[q.question_id]
     rows = {}
     for group, arm in arms(seams, policy is not None):
         if arm == "policy":
             chosen = policy.get(data.users[q.user_id].edit_key, "oracle")
+            if rows[chosen]["error"]:  # the chosen repair cannot be made here (field-only, another length)
+                chosen = "oracle"  # what a deployment of the policy does then: a full re-prefill
             rows[arm] = {**rows[chosen], "arm": arm, "repair": chosen}
             continue
         st = states[arm]
