@@ -310,8 +310,10 @@ PLAN: dict[str, Run | Swap | Parse] = {
         Swap("24 questions, 9 arms each: about a minute on shared cores", set=SMALL_RUN),
     "kvprobe memory --model qwen2.5-0.5b --n 12 --out results/memory/qwen2.5-0.5b":
         Swap("a real model: 6 min on shared cores", model="toy-qwen2", set=SMALL_RUN),
-    "kvprobe memory --model qwen2.5-1.5b --n 120 --out results/memory/qwen2.5-1.5b":
-        Swap("120 questions on the 1.5B: hours on 2 cores", model="toy-qwen2", set=SMALL_RUN),
+    "kvprobe memory --model qwen2.5-1.5b --dtype bfloat16 --n 140 --policy-users 40 --threshold 0.8 "
+    "--out results/memory/qwen2.5-1.5b":
+        Swap("140 questions and a 40-user calibration on the 1.5B: an hour on 2 cores", model="toy-qwen2",
+             set={**SMALL_RUN, "--policy-users": "2"}),
     # docs/toys.md
     "kvprobe toy eval --family qwen2": Swap("400 held-out cases: 100 s", set={"--n": "20"}),
     "kvprobe toy train --family qwen2": Swap("the recipe's steps: minutes; into this folder's own KVPROBE_HOME",
