@@ -118,7 +118,7 @@ class MemoryPolicy:
 
 def calibrate_policy(lm, users: int, seed: int = 0, form: str = "auto", sessions: int = 3,
                      session_tokens: tuple[int, int] = (120, 200), threshold: float = DEFAULT_THRESHOLD,
-                     store=None, on_element: Callable[[str, int], None] = lambda fact, done: None,
+                     store=None, on_element: Callable[[str, int | None], None] = lambda fact, done: None,
                      data: MemorySet | None = None) -> MemoryPolicy:
     """Calibrate a repair per profile fact on ``users`` calibration users (see the module docstring);
     finished elements are kept in ``store`` (a :class:`~kvprobe.results.CaseStore`) for resume. The
