@@ -272,6 +272,15 @@ def usable_facts(tokenizer) -> list[Fact]:
     return out
 
 
+def fact_pool(tokenizer, n_facts: int) -> list[Fact]:
+    """:func:`usable_facts`, checked to hold ``n_facts`` of them (a one-line usage error otherwise)."""
+    pool = usable_facts(tokenizer)
+    if not 2 <= n_facts <= len(pool):
+        raise UsageError(f"n_facts must be in 2..{len(pool)} (the facts whose values this tokenizer spells), "
+                         f"got {n_facts}")
+    return pool
+
+
 def _user(uid: str, seed: int, tokenizer, sessions: int, session_tokens: tuple[int, int], n_facts: int,
           pool: list[Fact]):
     rng = random.Random(f"memory:{seed}:{uid}")
@@ -331,10 +340,7 @@ def generate_memory(n: int, seed: int = 0, tokenizer=None, sessions: int = 3,
     """``n`` questions over ``ceil(n / questions_per_user)`` users (see the module docstring)."""
     session_tokens = tuple(session_tokens)
     check_options(n, sessions, session_tokens, questions_per_user)
-    pool = usable_facts(tokenizer)
-    if not 2 <= n_facts <= len(pool):
-        raise UsageError(f"n_facts must be in 2..{len(pool)} (the facts whose values this tokenizer spells), "
-                         f"got {n_facts}")
+    pool = fact_pool(tokenizer, n_facts)
     users: dict[str, MemoryUser] = {}
     questions: list[MemoryQuestion] = []
     u = 0
@@ -359,10 +365,7 @@ def calibration_memory(n_users: int, seed: int = 0, tokenizer=None, sessions: in
     context (the profile is the current one until the edit), so its cache is built once."""
     session_tokens = tuple(session_tokens)
     check_options(n_users, sessions, session_tokens, 4)
-    pool = usable_facts(tokenizer)
-    if not 2 <= n_facts <= len(pool):
-        raise UsageError(f"n_facts must be in 2..{len(pool)} (the facts whose values this tokenizer spells), "
-                         f"got {n_facts}")
+    pool = fact_pool(tokenizer, n_facts)
     by_key = {f.key: f for f in pool}
     users: dict[str, MemoryUser] = {}
     questions: list[MemoryQuestion] = []

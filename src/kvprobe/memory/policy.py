@@ -30,12 +30,11 @@ import torch
 
 from kvprobe.calibrate.engine import FieldResult, decide
 from kvprobe.calibrate.stats import ALPHA_LOWER, ALPHA_UPPER, Sequence
-from kvprobe.composer.gate import _decide, option_token_ids
+from kvprobe.composer.gate import option_token_ids
 from kvprobe.datasets.memory import MemorySegments, MemorySet, calibration_memory, segments
 from kvprobe.executor import Context, Serial
 from kvprobe.kv import cache as kvcache
-from kvprobe.kv.decode import Edited, decide as read
-from kvprobe.memory.runner import State, erratum_state, field_only_state, prefill_state
+from kvprobe.memory.runner import State, erratum_state, field_only_state, prefill_state, read_question
 
 CANDIDATES = ("field_only", "erratum")  # cheapest first: the value's tokens, then the correction line's
 STRATEGIES = ("stale", "oracle", *CANDIDATES)
@@ -74,10 +73,8 @@ def element_rows(lm, data: MemorySet, segs: MemorySegments, element: str, late: 
             if st.cache is None:  # field-only where the values differ in token length: it fails the element
                 got[name] = ("", float("nan"), float("nan"), float("nan"))
                 continue
-            t0 = time.perf_counter()
-            logits, _ = read(lm, Edited(st.cache, list(tail), 0, st.context_tokens + len(tail)))
-            answer, margin = _decide(logits, options)
-            got[name] = (answer, margin, st.recomputed + len(tail), time.perf_counter() - t0)
+            answer, margin, decide_s = read_question(lm, st, tail, options)
+            got[name] = (answer, margin, st.recomputed + len(tail), decide_s)
         ref, stale = got["oracle"][0], got["stale"][0]
         for name, (answer, margin, tokens, decide_s) in got.items():
             rows.append({"element": element, "user_id": element.split(":")[0], "fact": user.edit_key,

@@ -141,6 +141,15 @@ def user_states(lm, data: MemorySet, segs: MemorySegments, user_id: str, seams: 
     return states
 
 
+def read_question(lm, st: State, tail: list[int], options: dict[str, list[int]]) -> tuple[str, float, float]:
+    """The decision (answer, margin) of the question ``tail`` read on ``st``'s cache, and the read's seconds
+    (the cache is left as it was)."""
+    t0 = time.perf_counter()
+    logits, _ = decide(lm, Edited(st.cache, list(tail), 0, st.context_tokens + len(tail)))
+    answer, margin = _decide(logits, options)
+    return answer, margin, time.perf_counter() - t0
+
+
 def question_rows(lm, data: MemorySet, segs: MemorySegments, states: dict[str, State], question_id: str,
                   options: dict[str, list[int]], seams: Sequence[int], model_name: str = "",
                   policy: dict[str, str] | None = None) -> pd.DataFrame:
@@ -169,11 +178,9 @@ def question_rows(lm, data: MemorySet, segs: MemorySegments, states: dict[str, S
             rows[arm] = {**row, "answer": "", "margin": float("nan"), "tokens_recomputed": float("nan"),
                          "wall_s": float("nan"), "decide_s": float("nan")}
             continue
-        t0 = time.perf_counter()
-        logits, _ = decide(lm, Edited(st.cache, list(tail), 0, st.context_tokens + len(tail)))
-        answer, margin = _decide(logits, options)
+        answer, margin, decide_s = read_question(lm, st, tail, options)
         rows[arm] = {**row, "answer": answer, "margin": margin, "tokens_recomputed": st.recomputed + len(tail),
-                     "wall_s": st.wall_s, "decide_s": time.perf_counter() - t0}
+                     "wall_s": st.wall_s, "decide_s": decide_s}
     ref = {"edit": rows["oracle"]["answer"], "transplant": rows["transplant_full"]["answer"]}
     for r in rows.values():
         r["frac_recomputed"] = r["tokens_recomputed"] / r["context_tokens"]
