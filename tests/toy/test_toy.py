@@ -3,7 +3,7 @@ the shipped toys, and the refusal of a toy that failed its own check.
 
 Reduced toys (a 2-layer, hidden-32 model trained for a few steps) run in seconds under a
 temporary ``KVPROBE_HOME``. The slow tests evaluate the six shipped toys against their manifests
-(about 15 s each) and retrain toy-qwen2 from its recipe (about 2.5 minutes).
+(about 15 s each) and run the first 76 steps of toy-qwen2's recipe against its manifest's loss curve.
 """
 
 from __future__ import annotations
@@ -113,7 +113,11 @@ def test_manifest_and_load_model(home):
     assert manifest["data"]["fillers"] == list(toy_data.ToyData().fillers)
     assert set(toy_eval.METRICS) <= set(manifest["heldout"])
     assert manifest["machine"]["cpu"] and manifest["machine"]["cores"] >= 1
-    lm = load_model(str(result.folder), allow_failed_toy=True)  # 4 steps: it fails its check
+    # 4 steps: it fails its check, the manifest says so honestly, and kvprobe loads it only when asked
+    assert manifest["heldout_failures"] == toy_eval.threshold_failures(manifest["heldout"]) != []
+    with pytest.raises(KvprobeError, match="failed its own held-out check"):
+        load_model(str(result.folder))
+    lm = load_model(str(result.folder), allow_failed_toy=True)
     assert lm.info.source == "toy" and lm.info.family == "mistral"
     assert manifest["weights_sha256"].startswith(lm.weights_hash())
     assert lm.adapter.window == toy_folder.toy_arch("mistral")["sliding_window"] and all(lm.adapter.sliding_layers())
@@ -259,24 +263,37 @@ def test_shipped_toy_is_what_its_manifest_says(family):
     assert {k: metrics[k] for k in toy_eval.METRICS} == pytest.approx({k: h[k] for k in toy_eval.METRICS}, abs=0.01)
 
 
-@pytest.mark.slow
-def test_retraining_toy_qwen2_from_its_recipe(tmp_path):
-    """`kvprobe toy train`'s path for toy-qwen2 (seed 0, the full recipe; about 4 minutes). On a CPU
-    with the shipped toy's name and instruction sets the weights come out bit-identical, with the
-    same held-out figures. Elsewhere torch picks other kernels, the weights differ, and a retrain
-    behaves like another seed: docs/toys.md's seed table shows the recipe does not always reach
-    every threshold then, so there the test checks that the manifest judges it honestly and that
-    kvprobe loads it only as the manifest allows."""
-    from kvprobe.models import load_model
+# The shipped toy-qwen2 was trained on a Zen 3; its manifest's loss curve (an exponential average,
+# stored to 5 decimals every 25 steps) is the reference. Measured on a Zen 4 on one thread (the
+# recipe's) and on two (another summation order): steps 0-75 equal the Zen 3's to the last stored
+# decimal; from step 100 a loss spike amplifies float noise (2e-4 relative at 100, 25-60% by 150-175),
+# so the comparison stops at 75. CURVE_ATOL is two units of the last decimal (a value sitting on a
+# rounding boundary may round either way). A deliberate change moves step 75 by 30x that or more:
+# final_lr_frac 0.05 -> 0.1 by 6.3e-4, weight decay 0.01 -> 0.02 by 1.0e-3, lr 1% higher by 0.17.
+PREFIX_STEPS = 76
+CURVE_ATOL = 2e-5
 
-    result = toy_train.train_toy("qwen2", out=tmp_path / "toy-qwen2")
-    manifest, shipped = result.manifest, toy_folder.read_manifest(toy_folder.shipped_dir("qwen2"))
-    assert manifest["heldout_failures"] == toy_eval.threshold_failures(manifest["heldout"])
-    if manifest["machine"] == shipped["machine"]:
-        assert manifest["weights_sha256"] == shipped["weights_sha256"]
-        got, want = manifest["heldout"], shipped["heldout"]
-        assert {k: got[k] for k in toy_eval.METRICS} == pytest.approx({k: want[k] for k in toy_eval.METRICS}, abs=0.01)
-    if manifest["heldout_failures"]:
-        with pytest.raises(KvprobeError, match="failed its own held-out check"):
-            load_model(str(result.folder))
-    assert load_model(str(result.folder), allow_failed_toy=True).info.source == "toy"
+
+def prefix_curve(family: str, steps: int = PREFIX_STEPS, **change) -> dict[int, float]:
+    recipe = dataclasses.replace(toy_train.toy_recipe(family), **change)
+    result = toy_train.train_toy(family, train=recipe, save=False, n_eval=0, stop_after=steps)
+    assert result.manifest["stopped_after"] == steps
+    return {step: loss for step, loss in result.manifest["loss_curve"] if step % 25 == 0}
+
+
+@pytest.mark.slow
+def test_the_recipe_starts_as_the_shipped_toy_qwen2_did():
+    """toy-qwen2's recipe (seed 0, its data, batches, initialisation, optimiser and schedule), run for
+    its first 76 steps here, on the recipe's one thread and on two, gives the shipped manifest's loss
+    curve within CURVE_ATOL on any CPU; a recipe changed by a little does not. (This stands for the
+    full 800-step retrain, which took 3.5 minutes of the suite: its weights are bit-identical to the
+    shipped toy only on the CPU type that trained it, and `kvprobe toy train --family qwen2` still
+    does it, comparing with the shipped toy.)"""
+    shipped = toy_folder.read_manifest(toy_folder.shipped_dir("qwen2"))
+    want = {step: loss for step, loss in shipped["loss_curve"] if step < PREFIX_STEPS}
+    assert sorted(want) == [0, 25, 50, 75]
+    for threads in (1, 2):
+        got = prefix_curve("qwen2", threads=threads)
+        assert got == pytest.approx(want, abs=CURVE_ATOL, rel=0), (threads, got, want)
+    changed = prefix_curve("qwen2", steps=26, lr=1.01 * shipped["train"]["lr"])  # 1% more: 0.012 at step 25
+    assert changed[0] == want[0] and abs(changed[25] - want[25]) > 100 * CURVE_ATOL, changed

@@ -95,15 +95,18 @@ def _torch_threads(n: int):
 
 
 def _fit(model, ids: list[list[int]], targets: torch.Tensor, batches: list[list[int]], train: ToyTrain,
-         on_step: Callable[[int, int, float], None]) -> list[list[float]]:
-    """The optimisation loop: cross-entropy at each prompt's last token only. Returns the loss curve."""
+         on_step: Callable[[int, int, float], None], stop_after: int | None = None) -> list[list[float]]:
+    """The optimisation loop: cross-entropy at each prompt's last token only. Returns the loss curve
+    (its exponential average every 25 steps and at the last). ``stop_after`` ends the loop after
+    that many of the recipe's steps, its schedule unchanged."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": train.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=train.lr, betas=train.betas)
     model.train()
     curve, ema = [], 0.0
-    for step in range(train.steps):
+    n_steps = train.steps if stop_after is None else min(stop_after, train.steps)
+    for step in range(n_steps):
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, train)
         batch = batches[step]
@@ -115,16 +118,16 @@ def _fit(model, ids: list[list[int]], targets: torch.Tensor, batches: list[list[
         torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
         opt.step()
         ema = loss.item() if step == 0 else 0.95 * ema + 0.05 * loss.item()
-        if step % 25 == 0 or step == train.steps - 1:
+        if step % 25 == 0 or step == n_steps - 1:
             curve.append([step, round(ema, 5)])
-        on_step(step + 1, train.steps, ema)
+        on_step(step + 1, n_steps, ema)
     model.eval()
     return curve
 
 
 def train_toy(family: str, *, seed: int = TOY_SEED, train: ToyTrain | None = None, data: ToyData = ToyData(),
               arch: dict | None = None, save: bool = True, n_eval: int = 400, out: Path | None = None,
-              on_step: Callable[[int, int, float], None] = lambda step, total, loss: None,
+              stop_after: int | None = None, on_step: Callable[[int, int, float], None] = lambda step, total, loss: None,
               progress: Callable[[str], None] = lambda s: None) -> ToyResult:
     """Train ``toy-<family>`` from scratch, evaluate it held out, and save it (atomically).
 
@@ -132,8 +135,12 @@ def train_toy(family: str, *, seed: int = TOY_SEED, train: ToyTrain | None = Non
     thread count is part of the settings, and bfloat16 autocast takes other kernels on other CPU
     types, so another CPU gives other weights). ``arch`` shrinks the model for tests; ``n_eval=0``
     skips the held-out evaluation. ``train`` defaults to the family's :func:`toy_recipe`. Saved
-    to ``out`` (default :func:`toy_dir`).
+    to ``out`` (default :func:`toy_dir`). ``stop_after`` trains only the recipe's first steps (its
+    data, batches and schedule unchanged), to check that a recipe still starts as its manifest's
+    loss curve did; such a model is never saved.
     """
+    if stop_after is not None and save:
+        raise ValueError("a toy trained for part of its recipe (stop_after) is not saved: pass save=False")
     family = toy_family(family)
     train = train or toy_recipe(family)
     fam = families()[family]
@@ -154,7 +161,7 @@ def train_toy(family: str, *, seed: int = TOY_SEED, train: ToyTrain | None = Non
             torch.manual_seed(seed)
             model = getattr(transformers, fam.causal_lm_class)(config).to(torch.float32)
         progress(f"training {train.steps} steps")
-        curve = _fit(model, ids, targets, batches, train, on_step)
+        curve = _fit(model, ids, targets, batches, train, on_step, stop_after)
         train_s, train_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     # Evaluation is inference only, so it may use every thread: the weights are already fixed, and
     # a float32 forward pass on 2 threads runs ~1.6x faster here than on one.
@@ -173,7 +180,7 @@ def train_toy(family: str, *, seed: int = TOY_SEED, train: ToyTrain | None = Non
         "n_params": sum(p.numel() for p in model.parameters()), "n_train_prompts": len(examples),
         "mean_prompt_tokens": round(sum(len(x) for x in ids) / len(ids), 1),
         "train_wall_s": round(train_s, 1), "train_cpu_s": round(train_cpu_s, 1), "eval_wall_s": round(eval_s, 1),
-        "loss_curve": curve, "final_loss": curve[-1][1],
+        "loss_curve": curve, "final_loss": curve[-1][1], **({"stopped_after": stop_after} if stop_after else {}),
         "heldout": {"seed": EVAL_SEED, "n": n_eval, "fillers": list(eval_fillers), **metrics},
         "heldout_failures": threshold_failures(metrics) if metrics else [],
         "weights_sha256": weights_sha256(model),
