@@ -127,7 +127,8 @@ def _fit(model, ids: list[list[int]], targets: torch.Tensor, batches: list[list[
 
 def train_toy(family: str, *, seed: int = TOY_SEED, train: ToyTrain | None = None, data: ToyData = ToyData(),
               arch: dict | None = None, save: bool = True, n_eval: int = 400, out: Path | None = None,
-              stop_after: int | None = None, on_step: Callable[[int, int, float], None] = lambda step, total, loss: None,
+              stop_after: int | None = None,
+              on_step: Callable[[int, int, float], None] = lambda step, total, loss: None,
               progress: Callable[[str], None] = lambda s: None) -> ToyResult:
     """Train ``toy-<family>`` from scratch, evaluate it held out, and save it (atomically).
 
