@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pandas as pd
@@ -299,6 +300,37 @@ def test_failed_start_shows_the_log_tail(home, monkeypatch):
     assert server.read_state() is None and not server.state_path().exists()
 
 
+@pytest.mark.parametrize("eager", [False, True])
+def test_the_server_command_and_environment(home, monkeypatch, tmp_path, eager):
+    """--enforce-eager exactly when asked; the server's processes may write their bytecode (the
+    environment is installed without it) whatever the caller's PYTHONDONTWRITEBYTECODE."""
+    from kvprobe.serving import server
+
+    seen = tmp_path / "seen.json"
+    _ready_venv(home, "import json, os, sys\n"
+                      f"json.dump([sys.argv[1:], os.environ.get('PYTHONDONTWRITEBYTECODE')], open({str(seen)!r}, 'w'))\n"
+                      "sys.exit(3)\n")
+    monkeypatch.setattr(server, "_model_folder", lambda alias, progress: home / "m")
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    with pytest.raises(KvprobeError, match="exited with code 3"):
+        server.start(MODEL, owner="pytest", eager=eager)
+    argv, no_bytecode = json.loads(seen.read_text())
+    assert argv[:2] == ["serve", str(home / "m")] and ("--enforce-eager" in argv) == eager
+    assert no_bytecode is None
+
+
+def test_setup_installs_without_compiling_bytecode(tmp_path, monkeypatch):
+    from kvprobe.serving import env
+
+    ran = []
+    monkeypatch.setattr(env, "_run", lambda cmd, log, what, progress: ran.append(cmd))
+    monkeypatch.setattr(env.subprocess, "run", lambda *a, **k: types.SimpleNamespace(returncode=0, stdout="0.32.0+cpu"))
+    env.setup(tmp_path / "venv")
+    install = next(cmd for cmd in ran if "install" in cmd)
+    assert install[-3:] == ["install", "--no-compile", env.VLLM_SPEC]
+    assert (tmp_path / "venv" / env.READY_MARKER).exists()
+
+
 def test_unhealthy_start_times_out_and_leaves_nothing(home, monkeypatch, tmp_path):
     from kvprobe.serving import server
 
@@ -435,6 +467,8 @@ AGENT_SPEC = str(Path(__file__).resolve().parents[2] / "examples" / "agent-refun
       "rerender,psychic"], ["unknown arm", "policy"]),
     (["serve", "start", "--model", "llama-9000"], ["not set up"]),
     (["serve", "stop"], ["no kvprobe vLLM server is running"]),
+    (["serve-bench", "--model", MODEL, "--url", "http://127.0.0.1:9", "--eager"],
+     ["--eager applies to a server serve-bench starts", "--url"]),
 ])
 def test_cli_errors_are_one_line(tmp_path, args, needles):
     one_line_error(kvprobe(*args, home=tmp_path / "home"), *needles)

@@ -38,7 +38,9 @@ def setup() -> None:
 
 @serve_app.command("start")
 def start(model: str = typer.Option(..., help="a bundled alias, see `kvprobe models`"),
-          timeout: float = typer.Option(420.0, min=10, help="seconds to wait for the server's health")) -> None:
+          timeout: float = typer.Option(420.0, min=10, help="seconds to wait for the server's health"),
+          eager: bool = typer.Option(False, "--eager", help="vLLM's --enforce-eager: no torch.compile at start-up "
+                                     "(40-60 s instead of 100-160 s for SmolLM2 on 2 cores; serves slower)")) -> None:
     """Start the vLLM OpenAI server for MODEL on 127.0.0.1 (a free port) and wait until it is healthy."""
     import time
 
@@ -46,8 +48,9 @@ def start(model: str = typer.Option(..., help="a bundled alias, see `kvprobe mod
 
     t0 = time.perf_counter()
     with err_console.status(f"starting vLLM for {model}") as status:
-        state = server.start(model, timeout_s=timeout, progress=lambda msg: status.update(msg))
-    console.print(f"vLLM serving {model} at {state.url} (pid {state.pid}, block size {state.block_size}, "
+        state = server.start(model, timeout_s=timeout, progress=lambda msg: status.update(msg), eager=eager)
+    console.print(f"vLLM serving {model} at {state.url} (pid {state.pid}, block size {state.block_size}"
+                  f"{', eager' if state.eager else ''}, "
                   f"ready in {time.perf_counter() - t0:.0f} s); log {state.log}; stop it with `kvprobe serve stop`")
 
 
@@ -170,6 +173,8 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
                                                                                    "update a gating field [0.25]"),
                 gating: str | None = typer.Option(None, help="agent: the gating fields (default: those the field "
                                                              "policy measured as moving the decision)"),
+                eager: bool = typer.Option(False, "--eager", help="start the run's own server in vLLM's eager mode "
+                                                                  "(see `kvprobe serve start --eager`)"),
                 seed: int = 0) -> None:
     """Erratum against in-prefix edit under Poisson load: prefix-cache hit rate, TTFT, throughput and
     decision agreement, into RESULTS/serving.parquet (the agent workload: RESULTS/agent.parquet;
@@ -218,6 +223,10 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
     out = usable_out(out or Path("results") / f"{prefix}-{Path(model).name}")
     refuse_foreign(out, SERVING_MANIFEST)  # before a server starts: another command's folder is refused
     own = None
+    if eager and (url is not None or server.read_state() is not None):
+        raise UsageError("--eager applies to a server serve-bench starts for the run; this run uses "
+                         f"{'--url' if url is not None else 'the running kvprobe server'} (a server's mode is "
+                         "set when it starts: `kvprobe serve start --eager`)")
     if url is not None:
         url = normalize_url(url)
         served_models(url)  # reachable?
@@ -234,7 +243,7 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
             env.require_ready()
             t0 = time.perf_counter()
             with err_console.status(f"starting vLLM for {model} (for this run only)") as status:
-                own = server.start(model, owner="serve-bench", progress=lambda msg: status.update(msg))
+                own = server.start(model, owner="serve-bench", progress=lambda msg: status.update(msg), eager=eager)
             url = own.url
             err_console.print(f"vLLM ready at {url} in {time.perf_counter() - t0:.0f} s (stopped after the run)")
     t0 = time.perf_counter()
@@ -242,7 +251,7 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
         with progress_bar() as bar:
             task = bar.add_task("serve-bench", total=None)
             kw = dict(progress=lambda msg: bar.update(task, description=msg), advance=lambda: bar.advance(task),
-                      facts={"own_server": own is not None})
+                      facts={"own_server": own is not None, **({"eager": own.eager} if own else {})})
             run = agent.AgentBench(cfg, url, out, **kw) if workload == "agent" else bench.Bench(cfg, url, out, **kw)
             bar.update(task, total=run.total())
             path = run.run()
