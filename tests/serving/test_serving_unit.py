@@ -308,7 +308,8 @@ def test_the_server_command_and_environment(home, monkeypatch, tmp_path, eager):
 
     seen = tmp_path / "seen.json"
     _ready_venv(home, "import json, os, sys\n"
-                      f"json.dump([sys.argv[1:], os.environ.get('PYTHONDONTWRITEBYTECODE')], open({str(seen)!r}, 'w'))\n"
+                      "got = [sys.argv[1:], os.environ.get('PYTHONDONTWRITEBYTECODE')]\n"
+                      f"json.dump(got, open({str(seen)!r}, 'w'))\n"
                       "sys.exit(3)\n")
     monkeypatch.setattr(server, "_model_folder", lambda alias, progress: home / "m")
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
