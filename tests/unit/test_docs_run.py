@@ -237,7 +237,7 @@ PLAN: dict[str, Run | Swap | Parse] = {
         Swap("a local Ray and two workers (10 s of start-up); 4 cases", set=SMALL_RUN),
     "kvprobe run --model toy-qwen2 --n 8 --no-report --out results/serial-toy": Swap("4 cases", set=SMALL_RUN),
     "kvprobe run --model toy-qwen2 --n 8 --no-report --out results/ray-toy2 --executor ray --workers 2":
-        Swap("4 cases, as the serial run above", set=SMALL_RUN),
+        Swap("4 cases, as the serial run above", set=SMALL_RUN, expect="ray: 2 worker(s) on 1 node(s)"),
     "python scripts/compare_runs.py results/serial-toy results/ray-toy2 --atol 1e-4":
         Run("the two runs above: exits 1 if a table differs"),
     "ray start --head --port 6379": Parse(CLUSTER),
