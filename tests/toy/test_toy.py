@@ -199,6 +199,22 @@ def test_evaluation_returns_every_metric(home):
     assert isinstance(toy_eval.threshold_failures(metrics), list)
 
 
+def test_a_repeated_prompt_is_computed_once_and_answered_alike(home):
+    result = small("qwen2", save=False)
+    texts = [render_prompt(c, None, c.old_value, "raw") for c in generate(5, seed=3)]
+    rows = []
+    hook = result.model.register_forward_pre_hook(lambda mod, args, kw: rows.append(kw["input_ids"].shape[0]),
+                                                  with_kwargs=True)
+    try:
+        alone = toy_eval.predict(result.model, result.tokenizer, texts)
+        rows.clear()
+        repeated = toy_eval.predict(result.model, result.tokenizer, [texts[2], *texts, texts[0], texts[2]])
+    finally:
+        hook.remove()
+    assert sum(rows) == len(texts)
+    assert repeated == [alone[2], *alone, alone[0], alone[2]]
+
+
 def test_unseen_domains_use_known_words_only():
     from kvprobe.datasets import DOMAINS
     from kvprobe.models.tiny import word_tokenizer

@@ -42,16 +42,19 @@ def decision_logits(model, ids: Sequence[Sequence[int]]) -> torch.Tensor:
 
 @torch.no_grad()
 def predict(model, tokenizer, texts: Sequence[str], batch_size: int = 64) -> list[str]:
-    """The arg-max option (yes/no) for each raw prompt, batched by length."""
+    """The arg-max option (yes/no) for each raw prompt, batched by length; a text given more than
+    once is computed once (evaluate_toy's control-line pairs repeat its decision prompts)."""
     opt_ids = {o: option_ids(tokenizer, o) for o in OPTIONS}
-    ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    unique = list(dict.fromkeys(texts))
+    ids = tokenizer(unique, add_special_tokens=False)["input_ids"]
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     preds: list[str] = [""] * len(ids)
     for lo in range(0, len(order), batch_size):
         chunk = order[lo : lo + batch_size]
         for i, pred in zip(chunk, predicted(decision_logits(model, [ids[i] for i in chunk]), opt_ids, list(OPTIONS))):
             preds[i] = pred
-    return preds
+    of = dict(zip(unique, preds))
+    return [of[t] for t in texts]
 
 
 METRICS = {
