@@ -14,6 +14,7 @@ on 1 node(s)").
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pandas as pd
@@ -192,6 +193,10 @@ def test_a_sized_run_on_ray_checks_the_serial_cases(local_ray, tmp_path):
     same_tables(tmp_path / "serial", tmp_path / "ray")
     extra = len(list((tmp_path / "ray" / "parts" / "validity").glob("*.parquet"))) - serial["sizing"]["checked"]
     assert par["executor"]["wasted"] >= extra >= 0, par["executor"]
+    written = {name: json.loads((tmp_path / name / "manifest.json").read_text())["executor"]
+               for name in ("serial", "ray")}
+    assert written["ray"]["executor"] == "ray" and written["ray"]["workers"] == 2, written
+    assert written["serial"]["executor"] == "serial", written
 
 
 # -- faults --------------------------------------------------------------------------------------------------------

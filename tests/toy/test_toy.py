@@ -297,6 +297,12 @@ def prefix_curve(family: str, steps: int = PREFIX_STEPS, **change) -> dict[int, 
     return {step: loss for step, loss in result.manifest["loss_curve"] if step % 25 == 0}
 
 
+@pytest.mark.parametrize("stop_after, save", [(10, True), (0, False)])
+def test_a_partial_recipe_is_never_saved_and_runs_a_step_at_least(stop_after, save):
+    with pytest.raises(ValueError, match=f"got stop_after={stop_after}, save={save}"):
+        toy_train.train_toy("qwen2", save=save, n_eval=0, stop_after=stop_after)
+
+
 @pytest.mark.slow
 def test_the_recipe_starts_as_the_shipped_toy_qwen2_did():
     """toy-qwen2's recipe (seed 0, its data, batches, initialisation, optimiser and schedule), run for

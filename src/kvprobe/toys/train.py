@@ -140,8 +140,9 @@ def train_toy(family: str, *, seed: int = TOY_SEED, train: ToyTrain | None = Non
     data, batches and schedule unchanged), to check that a recipe still starts as its manifest's
     loss curve did; such a model is never saved.
     """
-    if stop_after is not None and save:
-        raise ValueError("a toy trained for part of its recipe (stop_after) is not saved: pass save=False")
+    if stop_after is not None and (save or stop_after < 1):
+        raise ValueError(f"stop_after trains part of a recipe, at least one step, and is never saved (save=False); "
+                         f"got stop_after={stop_after}, save={save}")
     family = toy_family(family)
     train = train or toy_recipe(family)
     fam = families()[family]
@@ -161,7 +162,7 @@ def train_toy(family: str, *, seed: int = TOY_SEED, train: ToyTrain | None = Non
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             model = getattr(transformers, fam.causal_lm_class)(config).to(torch.float32)
-        progress(f"training {train.steps} steps")
+        progress(f"training {train.steps} steps" + (f", stopping after {stop_after}" if stop_after else ""))
         curve = _fit(model, ids, targets, batches, train, on_step, stop_after)
         train_s, train_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     # Evaluation is inference only, so it may use every thread: the weights are already fixed, and
