@@ -60,10 +60,11 @@ def near_threshold(x: pd.DataFrame, noise: float = NOISE) -> np.ndarray:
     return verdict & (margin < noise)
 
 
-def max_abs_diff(x: pd.DataFrame, y: pd.DataFrame, aside: np.ndarray) -> float:
-    """The largest absolute difference between the numeric columns of two frames of one shape
-    (NaN where both are NaN counts as equal; ratios of small flips scaled, see :data:`RATIOS`; the
-    ``aside`` rows' values left out); inf where a NaN stands against a number."""
+def column_diffs(x: pd.DataFrame, y: pd.DataFrame, aside: np.ndarray) -> dict[str, np.ndarray]:
+    """Per numeric column of two frames of one shape, each row's absolute difference: 0 where both
+    are NaN, inf where a NaN stands against a number; ratios of small flips scaled (see
+    :data:`RATIOS`); the ``aside`` rows' values 0 (verdicts near their threshold, counted by
+    compare())."""
     scale = np.ones(len(x))
     if {"metric", "value", "oracle_flip"} <= set(x.columns):
         flip = x["oracle_flip"].astype(float).abs().to_numpy()
@@ -71,20 +72,28 @@ def max_abs_diff(x: pd.DataFrame, y: pd.DataFrame, aside: np.ndarray) -> float:
         scale[small] = flip[small]
     if {"metric", "value", "n_tokens", "case_id"} <= set(x.columns) and (x["metric"] == "kind_mean_abs").any():
         scale = np.minimum(scale, _share_denominators(x))
-    scale[aside] = 0.0  # verdicts near their threshold (:func:`near_threshold`), counted by compare()
-    worst = 0.0
+    scale[aside] = 0.0
+    out = {}
     for col in x.columns:
         a, b = x[col], y[col]
         if pd.api.types.is_bool_dtype(a) or not pd.api.types.is_numeric_dtype(a):
             continue
         a, b = a.astype(float).to_numpy(), b.astype(float).to_numpy()
-        both = np.isnan(a) & np.isnan(b)
-        if (np.isnan(a) ^ np.isnan(b)).any():
-            return float("inf")
-        if (~both).any():
+        with np.errstate(invalid="ignore"):
             d = np.abs(a - b) * (scale if col == "value" else 1.0)
-            worst = max(worst, float(d[~both].max()))
-    return worst
+        d[np.isnan(a) & np.isnan(b)] = 0.0
+        d[np.isnan(a) ^ np.isnan(b)] = np.inf
+        out[col] = d
+    return out
+
+
+def max_abs_diff(x: pd.DataFrame, y: pd.DataFrame, aside: np.ndarray) -> tuple[float, str | None]:
+    """The largest of :func:`column_diffs`, and the column it is in (None where all are equal)."""
+    worst, where = 0.0, None
+    for col, d in column_diffs(x, y, aside).items():
+        if len(d) and d.max() > worst:
+            worst, where = float(d.max()), col
+    return worst, where
 
 
 def _share_denominators(conc: pd.DataFrame) -> np.ndarray:
@@ -141,7 +150,7 @@ def compare(before: Path, after: Path, ignore: set[str], atol: float = 0.0) -> l
             continue
         try:
             pd.testing.assert_frame_equal(x, y, check_exact=True)
-        except AssertionError as exc:
+        except AssertionError:
             numeric = [c for c in x.columns if pd.api.types.is_numeric_dtype(x[c]) and not pd.api.types.is_bool_dtype(x[c])]
             rest = [c for c in x.columns if c not in numeric]
             try:
@@ -150,9 +159,11 @@ def compare(before: Path, after: Path, ignore: set[str], atol: float = 0.0) -> l
                 lines.append(f"DIFF {name}: {str(other).splitlines()[0]} {str(other).splitlines()[-1][:200]}")
                 continue
             aside = near_threshold(x) | near_threshold(y)
-            worst = max_abs_diff(x, y, aside)
-            if worst > atol:
-                lines.append(f"DIFF {name}: {str(exc).splitlines()[0]} (largest difference {worst:.3g})")
+            worst, where = max_abs_diff(x, y, aside)
+            if worst > atol:  # named by the column that moved most (pandas' first complaint may be a dtype)
+                moved = int((column_diffs(x, y, aside)[where] > atol).sum())
+                lines.append(f'DIFF {name}: column name="{where}" differs beyond {atol:g} in {moved} of {len(x)} '
+                             f"rows (largest difference {worst:.3g})")
                 continue
             lines.append(f"within {atol:g} {name}: {x.shape[0]} rows x {x.shape[1]} columns, largest difference "
                          f"{worst:.3g}" + (f" (ignored {', '.join(drop)})" if drop else "")

@@ -69,3 +69,25 @@ def test_a_deliberate_change_still_fails_the_check(tmp_path, monkeypatch):
     print("\n".join(lines))
     assert any(line.startswith("DIFF knockout.parquet") and 'name="value"' in line for line in lines), lines
     assert any(line.startswith("DIFF edits.parquet") and 'name="m"' in line for line in lines), lines
+
+
+def test_a_diff_line_names_the_column_that_moved_and_how_many_rows(tmp_path):
+    """A DIFF line names the column whose values moved most and counts its rows past the bound,
+    not pandas' first complaint: the reference stores `layer` as int64 where a run stores Int64,
+    which once made the linear table's 0.25 in `value` read as a difference in `layer`."""
+    import pandas as pd
+
+    before, after = tmp_path / "before", tmp_path / "after"
+    before.mkdir(), after.mkdir()
+    ref = pd.DataFrame({"layer": [0, 1, 2, 3], "metric": ["acc"] * 4, "value": [0.5, 0.25, 0.75, 1.0]})
+    ref.to_parquet(before / "linear.parquet")
+    run = ref.assign(layer=ref["layer"].astype("Int64"), value=[0.5, 0.5, 0.75, 1.0 + 5e-5])
+    run.to_parquet(after / "linear.parquet")
+    lines = compare_runs.compare(before, after, set(), atol=compare_runs.NOISE)
+    assert lines == ['DIFF linear.parquet: column name="value" differs beyond 0.0001 in 1 of 4 rows '
+                     "(largest difference 0.25)"], lines
+    run.assign(value=ref["value"] + 5e-5).to_parquet(after / "linear.parquet")  # within noise; the dtype is no change
+    assert compare_runs.compare(before, after, set(), atol=compare_runs.NOISE)[0].startswith("within 0.0001 linear")
+    run.assign(value=[0.5, None, 0.75, 1.0]).to_parquet(after / "linear.parquet")  # a value lost
+    assert compare_runs.compare(before, after, set(), atol=compare_runs.NOISE) == [
+        'DIFF linear.parquet: column name="value" differs beyond 0.0001 in 1 of 4 rows (largest difference inf)']
