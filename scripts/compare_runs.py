@@ -87,10 +87,10 @@ def column_diffs(x: pd.DataFrame, y: pd.DataFrame, aside: np.ndarray) -> dict[st
     return out
 
 
-def max_abs_diff(x: pd.DataFrame, y: pd.DataFrame, aside: np.ndarray) -> tuple[float, str | None]:
-    """The largest of :func:`column_diffs`, and the column it is in (None where all are equal)."""
+def max_abs_diff(diffs: dict[str, np.ndarray]) -> tuple[float, str | None]:
+    """The largest of :func:`column_diffs`' differences, and the column it is in (None where all are equal)."""
     worst, where = 0.0, None
-    for col, d in column_diffs(x, y, aside).items():
+    for col, d in diffs.items():
         if len(d) and d.max() > worst:
             worst, where = float(d.max()), col
     return worst, where
@@ -159,9 +159,10 @@ def compare(before: Path, after: Path, ignore: set[str], atol: float = 0.0) -> l
                 lines.append(f"DIFF {name}: {str(other).splitlines()[0]} {str(other).splitlines()[-1][:200]}")
                 continue
             aside = near_threshold(x) | near_threshold(y)
-            worst, where = max_abs_diff(x, y, aside)
+            diffs = column_diffs(x, y, aside)
+            worst, where = max_abs_diff(diffs)
             if worst > atol:  # named by the column that moved most (pandas' first complaint may be a dtype)
-                moved = int((column_diffs(x, y, aside)[where] > atol).sum())
+                moved = int((diffs[where] > atol).sum())
                 lines.append(f'DIFF {name}: column name="{where}" differs beyond {atol:g} in {moved} of {len(x)} '
                              f"rows (largest difference {worst:.3g})")
                 continue
