@@ -175,8 +175,8 @@ PLAN: dict[str, Run | Swap | Parse] = {
     "python3 -m venv .venv && .venv/bin/pip install -q -e '.[test]' && .venv/bin/kvprobe run":
         Parse("sets a fresh machine up: this environment is that one; `kvprobe run` runs in `## kvprobe run`"),
     "(command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "
-    "chromium)) && python3 scripts/cpu.py && python3 -m venv .venv && .venv/bin/pip install -q -e "
-    "'.[test,crosscheck]' && .venv/bin/pytest -q -n 2 --dist worksteal":
+    "chromium)) && python3 scripts/cpu.py && python3 -m venv .venv && .venv/bin/pip install -q "
+    "--no-compile -e '.[test,crosscheck]' && PYTHONDONTWRITEBYTECODE= .venv/bin/pytest -q -n 2 --dist worksteal":
         Parse("is the test suite itself (.ci/run), on a fresh machine"),
     "kvprobe models fetch smollm2-135m": Run("cached after the first fetch: a sha256 check"),
     "kvprobe run": Swap("sized by its rule: 222 cases, 30-60 s", set=SMALL_RUN),
@@ -316,8 +316,8 @@ PLAN: dict[str, Run | Swap | Parse] = {
              set={**SMALL_RUN, "--policy-users": "2"}),
     # docs/toys.md
     "kvprobe toy eval --family qwen2": Swap("400 held-out cases: 100 s", set={"--n": "20"}),
-    "kvprobe toy train --family qwen2": Swap("the recipe's steps: minutes; into this folder's own KVPROBE_HOME",
-                                             set={"--steps": "5"}),
+    "kvprobe toy train --family qwen2": Swap("the recipe's steps and 400 held-out cases: minutes; into this folder's "
+                                             "own KVPROBE_HOME", set={"--steps": "5", "--heldout": "20"}),
     "kvprobe run --model ~/.cache/kvprobe/models/toy-qwen2":
         Swap("the 5-step toy trained above (it fails its held-out check, hence --allow-failed-toy; it decides "
              "nothing, so the run ends in exit 1 before the probes)",

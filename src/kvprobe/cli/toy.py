@@ -53,7 +53,9 @@ def train(family: str = typer.Option(..., help=FAMILY_HELP),
           seed: int = typer.Option(None, help="training seed (default: the toy seed, 0)"),
           steps: int = typer.Option(None, min=1, help="optimiser steps (default: the toy recipe's)"),
           out: Path = typer.Option(None, help="folder to save it to (default $KVPROBE_HOME/models/toy-<family>)"),
-          force: bool = typer.Option(False, "--force", help="retrain even when that folder holds a toy")) -> None:
+          force: bool = typer.Option(False, "--force", help="retrain even when that folder holds a toy"),
+          heldout: int = typer.Option(400, "--heldout", min=10,
+                                      help="held-out cases evaluated after training (the shipped toys': 400)")) -> None:
     """Reproduce toy-<family> from its recipe, save it, and compare its held-out figures with the shipped toy's.
 
     The shipped toy-<family> is not replaced: load the retrained one with --model <folder>.
@@ -68,7 +70,8 @@ def train(family: str = typer.Option(..., help=FAMILY_HELP),
     folder = usable_out(out) if out is not None else toy_folder.toy_dir(family)
     manifest = toy_folder.read_manifest(folder)
     if manifest is not None and not force:
-        ignored = [name for name, value in (("--seed", seed), ("--steps", steps)) if value is not None]
+        ignored = [name for name, value in (("--seed", seed), ("--steps", steps),
+                                            ("--heldout", None if heldout == 400 else heldout)) if value is not None]
         if ignored:
             given = " and ".join(ignored)
             raise UsageError(f"{folder} already holds toy-{manifest['family']}, so {given} would be ignored; add "
@@ -92,7 +95,8 @@ def train(family: str = typer.Option(..., help=FAMILY_HELP),
                 say(f"toy-{family}", f"step {step}/{total}, loss {loss:.3f}")
 
         result = toy_train.train_toy(family, seed=toy_folder.TOY_SEED if seed is None else seed, train=recipe,
-                                     on_step=on_step, out=folder, progress=lambda msg: say(f"toy-{family}", msg))
+                                     on_step=on_step, out=folder, n_eval=heldout,
+                                     progress=lambda msg: say(f"toy-{family}", msg))
     m = result.manifest
     console.print(f"toy-{family} saved to {result.folder} ({m['train_wall_s']} s training, "
                   f"{m['eval_wall_s']} s evaluation, weights {m['weights_sha256'][:16]})")
