@@ -26,6 +26,7 @@ from kvprobe import field_policy
 from kvprobe import policy as policies
 from kvprobe.datasets import AlignedCase, EditCase, Skip, align, render_prompt
 from kvprobe.datasets.render import resolve_form
+from kvprobe.datasets.schema import value_problem
 from kvprobe.datasets.spans import prompt_ids
 from kvprobe.edit_state import EditState, _first_ids
 from kvprobe.editor.context import EditContext, make_context
@@ -108,9 +109,17 @@ class EditableContext:
                              f"arguments, so edit({name}=...) could not name the field); choose another name")
         if name in self.fields:
             raise UsageError(f"field {name!r} is already in this context; each field occurs once")
+        self._check_value(name, value)
         self.fields[name] = value
         self._pieces.append(("field", name))
         return self
+
+    def _check_value(self, name: str, value) -> None:
+        """A field's value is one line of plain text, without this tokenizer's special tokens either
+        (:func:`kvprobe.datasets.schema.value_problem`)."""
+        problem = value_problem(value, self.lm.tokenizer)
+        if problem:
+            raise UsageError(f"the value of field {name!r} {problem}")
 
     def ask(self, question: str, options: list[str] | None = None) -> EditableContext:
         """The question whose answer is the decision, and its answer options (two, or none: then
@@ -144,6 +153,7 @@ class EditableContext:
             raise UsageError(f"no field {name!r} in this context; its fields: {', '.join(self.fields)}")
         if new_value == self.fields[name]:
             raise UsageError(f"the new value of {name!r} equals the old one ({new_value!r}); nothing to edit")
+        self._check_value(name, new_value)
         try:
             return EditCase(case_id="context", domain="user", field=name, old_value=self.fields[name],
                             new_value=new_value, template=self.template, system=self.system,

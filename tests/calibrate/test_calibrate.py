@@ -15,6 +15,7 @@ from kvprobe.calibrate.engine import calibrate, load_spec, measure_pair
 from kvprobe.calibrate.stats import Sequence, first_look, simulate_coverage
 from kvprobe.calibrate.values import parse_values
 from kvprobe.errors import KvprobeError
+from kvprobe.field_policy import verify
 from tests.cli.test_conventions import error_line, kvprobe as cli
 
 TOY_SPEC = "examples/calibrate-toy.yaml"
@@ -151,9 +152,10 @@ def test_calibrate_command_writes_a_policy_and_resumes_with_a_larger_budget(tmp_
     assert first.returncode == 1, first.stderr[-2000:]  # no verdict within 2 pairs: said, exit 1
     assert "no verdict within 2 pairs" in first.stderr
     policy = yaml.safe_load((out / "field_policy.yaml").read_text())
-    assert policy["kvprobe_field_policy"] == 2 and set(policy["fields"]) == {"subscription_tier", "timestamp",
+    assert policy["kvprobe_field_policy"] == 3 and set(policy["fields"]) == {"subscription_tier", "timestamp",
                                                                               "request_id"}
     assert all(f["repair"] == "oracle" and f["verdict"] == "budget" for f in policy["fields"].values())
+    verify(policy, out / "field_policy.yaml").check_spec(load_spec(TOY_SPEC))  # what kvprobe writes, it reads
     rows = pd.read_parquet(out / "calibration.parquet")
     again = cli("calibrate", TOY_SPEC, "--model", "toy-qwen2", "--max-pairs", "3", "--out", out)
     assert again.returncode == 1, again.stderr[-2000:]
@@ -164,33 +166,56 @@ def test_calibrate_command_writes_a_policy_and_resumes_with_a_larger_budget(tmp_
     assert len(more) == len(rows) * 3 // 2
     line = error_line(cli("calibrate", TOY_SPEC, "--model", "toy-qwen2", "--threshold", "0.9", "--out", out), 2)
     assert "calibration with other settings" in line and "threshold" in line
+    # the same spec with its fields listed in another order: the same digest, but another draw sequence
+    data = yaml.safe_load(open(TOY_SPEC))
+    data["fields"] = dict(reversed(list(data["fields"].items())))
+    (tmp_path / "reordered.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    assert load_spec(tmp_path / "reordered.yaml").digest() == load_spec(TOY_SPEC).digest()
+    line = error_line(cli("calibrate", tmp_path / "reordered.yaml", "--model", "toy-qwen2", "--max-pairs", "3",
+                          "--out", out), 2)
+    assert "calibration with other settings" in line and "field_order" in line
+    assert pd.read_parquet(out / "calibration.parquet").equals(more)  # nothing mixed in
+
+
+def spec_context(lm, spec, values, **kwargs) -> kvprobe.EditableContext:
+    """An EditableContext holding a calibration spec's prompt at ``values`` (as calibrate builds it)."""
+    ctx = kvprobe.EditableContext(lm, system=spec.system, **kwargs)
+    for kind, x in spec.pieces:
+        ctx.add_text(x) if kind == "text" else ctx.add_field(x, values[x])
+    return ctx.ask(spec.question, spec.options)
 
 
 def test_auto_takes_the_repair_each_field_was_calibrated_to(toy, tmp_path):
     """A field policy names a repair per field: auto applies it without its runtime check, says
-    why, and gives a field the policy did not calibrate the policy's default (the oracle)."""
-    from kvprobe.results import MODEL_KEYS
-    from tests.unit.test_api import context_of
-    from kvprobe.datasets import generate
+    why (the reason recomputed from the file's counts). A policy is refused on another prompt, on
+    another model, and when its verdict does not follow from its counts."""
+    from kvprobe import field_policy
 
-    fp = toy.fingerprint()
-    policy = {"kvprobe_field_policy": 1, "model": {"spec": fp["spec"], **{k: fp[k] for k in MODEL_KEYS}},
-              "threshold": 0.95, "default": "oracle",
-              "fields": {"subscription_tier": {"repair": "erratum_turn:neutral", "verdict": "established",
-                                               "reason": "measured"}}}
-    path = tmp_path / "field_policy.yaml"
-    path.write_text(yaml.safe_dump(policy))
-    cases = [c for c in generate(40, seed=1) if c.field == "subscription_tier"][:1]
-    others = [c for c in generate(40, seed=1) if c.field not in ("subscription_tier",)][:1]
-    for case, want, why in ((cases[0], "erratum_turn:neutral", "measured"), (others[0], "oracle", "not calibrated")):
-        ctx = context_of(toy, case, policy=path)
-        state = ctx.edit(**{case.field: case.new_value})
-        assert state.chose == want and why in state.reason, (state.chose, state.reason)
-        fixed = ctx.edit(strategy=want, **{case.field: case.new_value})
-        assert state.answer() == fixed.answer()
-    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**policy, "threshold": 5}))
-    with pytest.raises(KvprobeError, match=r"threshold is 5, accepted: a number in \(0, 1\)"):
+    data = yaml.safe_load(open(TOY_SPEC))
+    data["fields"] = {"subscription_tier": data["fields"]["subscription_tier"]}
+    data["template"] = data["template"].replace("timestamp: {timestamp}\nrequest_id: {request_id}\n", "")
+    (tmp_path / "tier.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    spec = load_spec(tmp_path / "tier.yaml")
+    cal = calibrate(toy, spec, candidates=["field_only"], max_pairs=62)
+    assert cal.policy["fields"]["subscription_tier"]["verdict"] == "established"
+    path = field_policy.write(cal.policy, tmp_path / "field_policy.yaml")
+    ctx = spec_context(toy, spec, {"subscription_tier": "gold"}, policy=path)
+    state = ctx.edit(subscription_tier="free")
+    assert state.chose == "field_only" and "established" in state.reason and "62 of 62 pairs" in state.reason
+    assert state.answer() == ctx.edit(strategy="field_only", subscription_tier="free").answer()
+    # another prompt (the full toy spec): refused, not applied
+    other = spec_context(toy, load_spec(TOY_SPEC), {"subscription_tier": "gold", "timestamp": "2024-05-01T10:00",
+                                                    "request_id": "req-31842"}, policy=path)
+    with pytest.raises(KvprobeError, match="was calibrated on another prompt"):
+        other.edit(subscription_tier="free")
+    tampered = yaml.safe_load(path.read_text())
+    tampered["fields"]["subscription_tier"]["repair"] = "stale"
+    (tmp_path / "stale.yaml").write_text(yaml.safe_dump(tampered, sort_keys=False))
+    with pytest.raises(KvprobeError, match="fields.subscription_tier.repair is 'stale'"):
+        kvprobe.EditableContext(toy, policy=tmp_path / "stale.yaml")
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**cal.policy, "threshold": 5}))
+    with pytest.raises(KvprobeError, match=r"threshold is 5, accepted: a number in \[0.5, 1\)"):
         kvprobe.EditableContext(toy, policy=tmp_path / "bad.yaml")
-    other = kvprobe.load("toy-llama")
+    other_model = kvprobe.load("toy-llama")
     with pytest.raises(KvprobeError, match="was calibrated for toy-qwen2"):
-        kvprobe.EditableContext(other, policy=str(path))
+        kvprobe.EditableContext(other_model, policy=str(path))

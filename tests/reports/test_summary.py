@@ -176,3 +176,27 @@ def test_kept_summaries_validate_against_the_schema():
             if k and k["status"] == "not established":  # the candidate K is named, as its reason says
                 assert k["k"] is not None and k["reason"].startswith(f"K={k['k']}"), k
     assert n_runs >= 4  # two summary.json files and the two runs of the comparison
+
+
+def test_the_bold_repair_label_is_the_verdict_per_field(tiny_results, monkeypatch):
+    """The headline's bold answer under "Repair to use" leads with what summary.json established:
+    per kind of field where no single repair is, and "none established (closest ...)" only where
+    nothing is."""
+    from kvprobe.reports.sections import headline
+    from kvprobe.reports.summary import repair_answer
+
+    data = summarize_run(load_run(tiny_results))
+    per_kind = repair([_row("field_only", 0.10, 0.05, 146, 0.008, n_controls=73),
+                       _row("erratum", 1.0, 0.97, 146, 0.28, kept=0.5479, n_controls=73),
+                       _row("selective:8:attention", 0.87, 0.81, 146, 0.05, kept=0.9, n_controls=73)], 0.95)
+    nothing = repair([_row("field_only", 0.10, 0.05, 146, 0.008, kept=0.5, n_controls=73)], 0.95)
+    for r, want in ((per_kind, "per field: erratum for the fields that decide, field_only for the fields that must "
+                               "not matter"),
+                    (nothing, "none established (closest: field_only)")):
+        monkeypatch.setattr(headline, "summarize_run", lambda run, r=r: {**data, "repair": r})
+        html = render_html([tiny_results])
+        bold = re.search(r'data-fact="repair">\s*<dt>[^<]*</dt>\s*<dd><strong class="answer">([^<]*)</strong>',
+                         html).group(1)
+        assert bold == want == repair_answer(r)
+    assert per_kind["per_field"] == {"decision_fields": "erratum", "control_fields": "field_only"}
+    assert "closest" not in repair_answer(per_kind) and "selective" not in repair_answer(per_kind)

@@ -27,6 +27,8 @@ import pandas as pd
 import torch
 import yaml
 
+from kvprobe.calibrate.rule import (DEGENERATE_SHARE, MIN_DRAWN, NOT_CANDIDATES, SAME_IDS, FieldResult, check_threshold,  # noqa: F401
+                                    decide, is_candidate, unmeasured)
 from kvprobe.calibrate.stats import Sequence
 from kvprobe.calibrate.summary import policy_of, summarize
 from kvprobe.calibrate.values import ValueSet, parse_values
@@ -38,8 +40,6 @@ DEFAULT_CANDIDATES = ("field_only", "erratum_turn:neutral", "erratum_turn")
 SUMMARY = CALIBRATION_SUMMARY  # the two tables' names are kvprobe.tables'
 POLICY_FILE = "field_policy.yaml"
 MANIFEST = "calibrate_manifest.json"
-SAME_IDS = "old and new value have the same token ids"
-DEGENERATE_SHARE = 0.5  # a field whose drawn pairs are mostly token-identical is refused
 UNKNOWN_SHARE = 0.2  # a prompt with more [UNK] tokens than this is refused
 
 
@@ -70,21 +70,35 @@ class CalibrationSpec:
                 "question": self.question, "options": self.options, "system": self.system}
         return hashlib.sha256(yaml.safe_dump(data, sort_keys=True).encode()).hexdigest()[:16]
 
+    def prompt_digest(self) -> str:
+        """The digest of the prompt alone (template, question, options, system; not the value sets):
+        what an :class:`~kvprobe.api.EditableContext` built from this spec has too
+        (:func:`kvprobe.field_policy.prompt_digest`), so a field policy can be checked against a
+        context it is applied to."""
+        from kvprobe.field_policy import prompt_digest
+
+        return prompt_digest(self.template, self.question, self.options, self.system)
+
 
 def load_spec(path: Path | str) -> CalibrationSpec:
     """A calibration spec from YAML: ``template``, ``fields`` (name: value set), ``question``,
-    ``options`` (two), optional ``system``. Every problem is one line naming the file."""
+    ``options`` (two), optional ``system``. Every problem is one line naming the file. Values reach
+    the model as typed: a key given twice, or an unquoted scalar YAML would read as a number, a
+    boolean, a date or null (``10:45``, ``010``, ``yes``), is refused (:mod:`kvprobe.yamlio`), and so
+    is a value that is not one line of plain text (:func:`kvprobe.datasets.schema.value_problem`)."""
+    from kvprobe import yamlio
+    from kvprobe.datasets.schema import template_pieces
+
     path = Path(path)
     if path.is_dir():
         raise KvprobeError(f"calibration spec {path} is a folder; give a YAML file")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise KvprobeError(f"calibration spec not found: {path}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise KvprobeError(f"{path} cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
-    except yaml.YAMLError as exc:
-        raise KvprobeError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    data = yamlio.load_text(text, str(path))
     keys = ("template", "fields", "question", "options")
     if not isinstance(data, dict) or any(k not in data for k in keys):
         missing = [k for k in keys if not isinstance(data, dict) or k not in data]
@@ -105,20 +119,21 @@ def load_spec(path: Path | str) -> CalibrationSpec:
         raise KvprobeError(f"{path}: options must be a list of two different answers, got {options!r}")
     if data.get("system") is not None and not isinstance(data["system"], str):
         raise KvprobeError(f"{path}: system must be text")
-    spec = CalibrationSpec(template, {str(k): parse_values(v, f"{path}: fields.{k}") for k, v in fields.items()},
-                           question, list(options), data.get("system"), str(path))
+    for name in fields:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise KvprobeError(f"{path}: field name {name!r} is not a name (letters, digits, _)")
     try:
-        named = [x for kind, x in spec.pieces if kind == "field"]
+        named = [name for _, name in template_pieces(template) if name is not None]
     except ValueError as exc:
-        raise KvprobeError(f"{path}: template is not a valid {{name}} template ({exc}); write a literal brace as "
-                           f"{{{{ or }}}}") from None
+        raise KvprobeError(f"{path}: {exc}") from None
     for name in named:
         if not name.isidentifier():
             raise KvprobeError(f"{path}: template field {{{name}}} is not a name (letters, digits, _)")
-    if sorted(named) != sorted(spec.fields) or len(set(named)) != len(named):
+    if sorted(named) != sorted(fields) or len(set(named)) != len(named):
         raise KvprobeError(f"{path}: the template's fields ({', '.join(named) or 'none'}) must be the fields "
-                           f"listed ({', '.join(spec.fields)}), each once")
-    return spec
+                           f"listed ({', '.join(fields)}), each once")
+    return CalibrationSpec(template, {k: parse_values(v, f"{path}: fields.{k}") for k, v in fields.items()},
+                           question, list(options), data.get("system"), str(path))
 
 
 def context_for(lm, spec: CalibrationSpec, values: dict[str, str], form: str = "auto"):
@@ -132,20 +147,6 @@ def context_for(lm, spec: CalibrationSpec, values: dict[str, str], form: str = "
         else:
             ctx.add_field(x, values[x])
     return ctx.ask(spec.question, spec.options)
-
-
-@dataclass
-class FieldResult:
-    name: str
-    pairs: int = 0
-    degenerate: int = 0  # pairs whose values have the same token ids
-    skipped: int = 0  # pairs not measured: those, and pairs that cannot be edited in place
-    changed: int = 0
-    chosen: str = "oracle"
-    verdict: str = "open"
-    reason: str = ""
-    seconds: float = 0.0
-    counts: dict[str, list[int]] = field(default_factory=dict)  # strategy -> [agree, n]
 
 
 def _pairs(spec: CalibrationSpec, name: str, seed: int, n: int):
@@ -271,12 +272,11 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
 
         lm = load(lm)
     candidates = [parse_strategy(s).spec for s in candidates]
-    bad = [s for s in candidates if s in ("stale", "oracle") or s.startswith("auto")]
+    bad = [s for s in candidates if not is_candidate(s)]
     if bad or not candidates:
-        raise UsageError(f"candidates are repairs to measure, cheapest first (not stale, oracle or auto); got "
+        raise UsageError(f"candidates are repairs to measure, cheapest first (not {', '.join(NOT_CANDIDATES)}); got "
                          f"{', '.join(bad) or 'none'}")
-    if not 0 < threshold < 1:
-        raise UsageError(f"threshold must be in (0, 1), got {threshold}")
+    check_threshold(threshold, "threshold")
     typed = [parse_strategy(s) for s in candidates]
     prefix = SharedPrefix(lm)  # the template before its first field: prefilled once, for every field's pairs
     executor = executor or Serial()
@@ -301,15 +301,9 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
                 res.degenerate += bool(df.degenerate.iloc[0])
                 res.skipped += 1
                 drawn = res.skipped + res.pairs
-                if drawn >= 10 and res.skipped > DEGENERATE_SHARE * drawn:
-                    reasons = pd.Series([f.skip.iloc[0].split(" (")[0] for f in frames
-                                         if f.field.iloc[0] == name and isinstance(f.skip.iloc[0], str)])
-                    res.verdict, res.chosen = "degenerate", "none"
-                    res.reason = (f"{res.skipped} of {drawn} drawn edits of {name} cannot be measured: "
-                                  f"{reasons.value_counts().index[0]}"
-                                  + (" (the tokenizer maps the values alike, e.g. [UNK]): nothing the model can see "
-                                     "changes" if res.degenerate * 2 > res.skipped else
-                                     "; give values of equal token length"))
+                if drawn >= MIN_DRAWN and res.skipped > DEGENERATE_SHARE * drawn:
+                    unmeasured(res, name, drawn, [f.skip.iloc[0] for f in frames
+                                                  if f.field.iloc[0] == name and isinstance(f.skip.iloc[0], str)])
                     break
                 continue
             res.pairs += 1
@@ -333,40 +327,3 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
     summary = summarize(rows, results, seq, change_seq, candidates)
     policy = policy_of(lm, spec, results, summary, seq, change_seq, candidates, max_pairs)
     return Calibration(rows, summary, policy, results, prefix.tokens_saved, executor.wasted - wasted)
-
-
-def decide(res: FieldResult, seq: Sequence, candidates: list[str], final: bool = False,
-           unit: str = "pairs") -> bool:
-    """Set the field's choice from the verdicts so far; True when the field may stop. ``unit`` names
-    what one draw of the stream is in the reason (kvprobe memory's policy: ``edits``)."""
-    verdicts = {s: seq.verdict(*res.counts[s]) for s in candidates}
-    live = [s for s in candidates if verdicts[s] != "ruled out"]
-    relevance = (f"no {unit[:-1]} changed the oracle's decision" if res.changed == 0 else
-                 f"{res.changed} of {res.pairs} {unit} changed the oracle's decision")
-    if not live:
-        res.chosen, res.verdict = "oracle", "established"
-        res.reason = f"every candidate is ruled out below {seq.threshold:g} ({relevance})"
-        return True
-    first = live[0]
-    if verdicts[first] == "established":
-        k, n = res.counts[first]
-        res.chosen, res.verdict = first, "established"
-        cheaper = ("the cheapest candidate" if first == candidates[0] else
-                   f"{', '.join(candidates[:candidates.index(first)])} ruled out")
-        res.reason = (f"{first} gives the oracle's decision on {k} of {n} {unit} (lower bound "
-                      f"{seq.lower(k, n):.3f} >= {seq.threshold:g}; {cheaper}); {relevance}")
-        return True
-    if final:
-        done = [s for s in candidates if verdicts[s] == "established"]
-        if done:
-            k, n = res.counts[done[0]]
-            res.chosen, res.verdict = done[0], "established"
-            res.reason = (f"{done[0]} is established (lower bound {seq.lower(k, n):.3f}); cheaper candidates "
-                          f"were still open after {res.pairs} {unit}; {relevance}")
-        else:
-            out = [s for s in candidates if verdicts[s] == "ruled out"]
-            res.chosen, res.verdict = "oracle", "budget"
-            res.reason = (f"no candidate established within {res.pairs} {unit} (the budget; "
-                          + (f"ruled out: {', '.join(out)}; " if out else "")
-                          + f"still open: {', '.join(live)}): the oracle until more {unit} are measured; {relevance}")
-    return False

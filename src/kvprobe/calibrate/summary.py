@@ -56,13 +56,19 @@ def summarize(rows: pd.DataFrame, results: list, seq: Sequence, change_seq: Sequ
     return pd.DataFrame(out)
 
 
-def relevance_of(res, change_seq: Sequence) -> str:
-    if res.verdict == "degenerate":
-        return "degenerate"
-    if res.changed == 0:
+def relevance(verdict: str, changed: int, pairs: int, change_seq: Sequence) -> str:
+    """How a field bears on the decision: ``degenerate`` (the model sees no change), ``unmeasured``
+    (its edits could not be measured), ``inert`` (no pair changed the oracle's decision), ``gating``
+    (the lower bound of the change rate reaches 0.5), else ``mixed``."""
+    if verdict in ("degenerate", "unmeasurable"):
+        return "degenerate" if verdict == "degenerate" else "unmeasured"
+    if changed == 0:
         return "inert"
-    lo = change_seq.lower(res.changed, res.pairs)
-    return "gating" if lo >= 0.5 else "mixed"
+    return "gating" if change_seq.lower(changed, pairs) >= 0.5 else "mixed"
+
+
+def relevance_of(res, change_seq: Sequence) -> str:
+    return relevance(res.verdict, res.changed, res.pairs, change_seq)
 
 
 def policy_of(lm, spec, results: list, summary: pd.DataFrame, seq: Sequence,
@@ -78,11 +84,13 @@ def policy_of(lm, spec, results: list, summary: pd.DataFrame, seq: Sequence,
         fields[res.name] = {
             "repair": res.chosen, "verdict": res.verdict, "reason": res.reason,
             "relevance": relevance_of(res, change_seq), "pairs": res.pairs, "skipped_pairs": res.skipped,
+            "same_id_pairs": res.degenerate,
             "change_rate": {"value": round(res.changed / res.pairs, 4) if res.pairs else None, "k": res.changed,
                             "n": res.pairs, "lo": round(change_seq.lower(res.changed, res.pairs), 4),
                             "hi": round(change_seq.upper(res.changed, res.pairs), 4)},
             "seconds": round(res.seconds, 1),
-            "strategies": {r.strategy: {"agreement": {"value": round(r.agree, 4), "lo": round(r.agree_lo, 4),
+            "strategies": {r.strategy: {"agreement": {"k": res.counts[r.strategy][0],
+                                                      "value": round(r.agree, 4), "lo": round(r.agree_lo, 4),
                                                       "hi": round(r.agree_hi, 4), "n": int(r.pairs)},
                                         "spurious_flips": int(r.spurious_flips), "n_unchanged": int(r.n_unchanged),
                                         "flip_hi": round(r.flip_hi, 4), "verdict": r.verdict,
@@ -90,7 +98,8 @@ def policy_of(lm, spec, results: list, summary: pd.DataFrame, seq: Sequence,
                                         "to_decision_s": round(r.to_decision_s, 4)} for r in rows.itertuples()},
         }
     return {"kvprobe_field_policy": SCHEMA, "model": {"spec": fp["spec"], **{k: fp[k] for k in MODEL_KEYS}},
-            "template": {"path": spec.path, "sha256": spec.digest(), "fields": list(spec.fields)},
+            "template": {"path": spec.path, "sha256": spec.digest(), "prompt_sha256": spec.prompt_digest(),
+                         "fields": list(spec.fields)},
             "threshold": seq.threshold, "alpha_lower": ALPHA_LOWER, "alpha_upper": ALPHA_UPPER,
             "candidates": candidates, "max_pairs": max_pairs, "method": method_line(seq),
             "default": "oracle", "fields": fields}

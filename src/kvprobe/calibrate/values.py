@@ -53,7 +53,13 @@ class ValueSet:
 def parse_values(spec, where: str) -> ValueSet:
     """A value set from its YAML form (a list or a string spec); ``where`` names it in errors."""
     if isinstance(spec, list):
-        choices = tuple(str(v) for v in spec)
+        from kvprobe.datasets.schema import value_problem
+
+        for i, v in enumerate(spec):
+            problem = value_problem(v)
+            if problem:
+                raise KvprobeError(f"{where}[{i}] {problem}")
+        choices = tuple(spec)
         if len(set(choices)) < 2:
             raise KvprobeError(f"{where}: a list of values needs at least two different values, got {list(spec)}")
         return ValueSet(f"one-of:{','.join(choices)}", "one-of", choices)

@@ -17,7 +17,7 @@ import threading
 import typer
 
 from kvprobe import __version__
-from kvprobe.cli.calibrate import calibrate
+from kvprobe.cli.calibrate import calibrate, check_policy
 from kvprobe.cli.common import console, err_console
 from kvprobe.cli.compare import compare
 from kvprobe.cli.datasets import datasets_app
@@ -59,6 +59,7 @@ app.command("weight-edit")(weight_edit)
 app.command("memory")(memory)
 app.command("sweep")(sweep)
 app.command("calibrate")(calibrate)
+app.command("check-policy")(check_policy)
 app.command("diagnose")(diagnose)
 app.command("strategies")(strategies)
 app.command("validate")(validate)

@@ -34,25 +34,24 @@ def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calib
     Exits 1 when a field's verdict is not established within --max-pairs (the policy then gives
     that field the oracle).
     """
-    import math
-
     from kvprobe import field_policy
     from kvprobe.calibrate.engine import (CALIBRATION, MANIFEST, POLICY_FILE, SUMMARY, calibrate as run_calibration,
-                                          load_spec)
+                                          check_threshold, load_spec)
     from kvprobe.editor.strategies import parse_strategy
     from kvprobe.errors import CheckFailed
     from kvprobe.results import CALIBRATE_CLAIM, ResultsFolder, atomic_write_parquet
 
-    if not (math.isfinite(threshold) and 0 < threshold < 1):
-        raise UsageError(f"--threshold must be a number in (0, 1), got {threshold}")
+    check_threshold(threshold, "--threshold")
     specs = [parse_strategy(s).spec for s in opt.parse_csv(candidates)]
     cal_spec = load_spec(spec)
     out = usable_out(out or opt.default_out("calibrate", model))
     # --max-pairs is not a claim setting: a field's pairs are drawn in one order whatever the budget,
-    # so a rerun with a larger budget continues where the last one stopped
+    # so a rerun with a larger budget continues where the last one stopped. The spec's digest is of
+    # its content (its keys sorted); the draws also follow the order fields: lists them, so that
+    # order is claimed as well (a reordered spec would otherwise resume on another draw sequence)
     folder = ResultsFolder(out, CALIBRATE_CLAIM, {
-        "model": model, "spec": cal_spec.digest(), "candidates": specs, "threshold": threshold, "seed": seed,
-        "form": form}, held="calibration with other settings", dtype=dtype)
+        "model": model, "spec": cal_spec.digest(), "field_order": list(cal_spec.fields), "candidates": specs,
+        "threshold": threshold, "seed": seed, "form": form}, held="calibration with other settings", dtype=dtype)
     folder.check()
     ex = executor_for(ctx, executor, workers, ray_address, gpus_per_worker, threads_per_worker, retries)
     lm = load_with_status(model, dtype, device, allow_failed_toy=allow_failed_toy, device_map=device_map)
@@ -82,10 +81,17 @@ def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calib
                       highlight=False, markup=False)
     console.print(f"wrote {policy_path} (use it: --policy / EditableContext(policy=...) / auto:{policy_path})")
     open_fields = [f.name for f in cal.fields if f.verdict == "budget"]
-    if open_fields:
-        raise CheckFailed(f"no verdict within {max_pairs} pairs for {', '.join(open_fields)}: the policy gives "
-                          f"{'it' if len(open_fields) == 1 else 'them'} the oracle; rerun with a larger --max-pairs "
-                          f"into the same --out to continue")
+    unmeasurable = [f.name for f in cal.fields if f.verdict == "unmeasurable"]
+    if open_fields or unmeasurable:
+        said = []
+        if open_fields:
+            said.append(f"no verdict within {max_pairs} pairs for {', '.join(open_fields)} (rerun with a larger "
+                        f"--max-pairs into the same --out to continue)")
+        if unmeasurable:
+            said.append(f"{', '.join(unmeasurable)} could not be measured (its values tokenise to different lengths: "
+                        f"give values of equal token length)")
+        raise CheckFailed(f"{'; '.join(said)}: the policy gives {'it' if len(open_fields + unmeasurable) == 1 else 'them'} "
+                          f"the oracle")
 
 
 def print_table(cal, model: str, threshold: float) -> None:
@@ -113,3 +119,35 @@ def print_table(cal, model: str, threshold: float) -> None:
     console.print(table)
     for res in cal.fields:
         console.print(f"{res.name}: {res.chosen} ({res.verdict}): {res.reason}", highlight=False, markup=False)
+
+
+def check_policy(policy: Path = typer.Argument(..., help="a field_policy.yaml (from `kvprobe calibrate`)"),
+                 spec: Path = typer.Option(None, help="the calibration spec it is to be applied to: the policy must "
+                                                      "have been calibrated on it")) -> None:
+    """Check a field policy before deploying it: every verdict is recomputed from the counts the file
+    records (the bounds at its threshold, the field's relevance, the repair by the calibration's rule),
+    and with --spec the template it was calibrated on must be that spec. Exits 3, in one line, on the
+    first thing that does not hold; 0 with a line per field when all do. What it checks is evidence,
+    not a signature: a file whose counts were all rewritten consistently is not caught."""
+    from kvprobe import yamlio
+    from kvprobe.calibrate.engine import load_spec
+    from kvprobe.errors import KvprobeError
+    from kvprobe.field_policy import verify
+
+    if not policy.is_file():
+        raise KvprobeError(f"field policy not found: {policy}" if not policy.exists() else
+                           f"field policy {policy} is not a file")
+    try:
+        text = policy.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KvprobeError(f"{policy} cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
+    checked = verify(yamlio.load(text, str(policy)), policy)
+    if spec is not None:
+        checked.check_spec(load_spec(spec))
+    m = checked.model
+    console.print(f"{policy}: verified, for {m['spec']} ({m['family']}; weights {m['weights_hash']}), template "
+                  f"{checked.template.get('path')} (digest {checked.template.get('sha256')})"
+                  + (f", which is {spec}" if spec is not None else ""), highlight=False, markup=False)
+    for name, f in checked.fields.items():
+        console.print(f"{name}: {f['repair']} ({f['verdict']}, {f['relevance']}, {f['pairs']} pairs): {f['reason']}",
+                      highlight=False, markup=False)

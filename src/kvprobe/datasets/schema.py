@@ -5,6 +5,8 @@ A JSONL case file holds exactly ``EditCase.model_dump(mode="json")``, one case p
 
 from __future__ import annotations
 
+import re
+import unicodedata
 from string import Formatter
 from typing import Literal
 
@@ -25,9 +27,52 @@ class Demo(BaseModel):
     answer: str = Field(min_length=1)
 
 
+# A chat template's turn and sequence marks: ChatML and Llama 3 (<|im_end|>, <|eot_id|>), Gemma
+# (<start_of_turn>), Llama 2 and Mistral ([INST], <<SYS>>, <s>), and the common bos/eos/pad names. A
+# field value holding one could close the user's turn and open another, whatever the tokenizer.
+SPECIAL_TOKEN = re.compile(r"<\|[^|<>\s]{1,40}\|>|</?s>|<(?:start|end)_of_turn>|<(?:bos|eos|pad|unk|mask)>"
+                           r"|\[/?INST\]|<</?SYS>>")
+SECTION_MARK = "##"  # kvprobe's prompt layouts open a section with it ("## Policy")
+VALUE_RULE = ("a field value is one line of plain text: non-empty, no surrounding spaces, no line break or control "
+              "character, no chat-template special token, no section mark '##'")
+
+
+def value_problem(value, tokenizer=None) -> str | None:
+    """Why ``value`` cannot be a field's value (None when it can): it must be one line of plain text
+    (:data:`VALUE_RULE`). A line break or a special token in a value would reach the model as a new
+    line, section or chat turn of the prompt (an injection), so every entry point refuses them
+    (EditCase, calibration specs, ``EditableContext``, ``PromptState``). ``tokenizer``: its own
+    special tokens are refused as well."""
+    if not isinstance(value, str):
+        return f"is {type(value).__name__} {value!r}, not text"
+    if not value or value != value.strip():
+        return f"must be non-empty, one line, without surrounding spaces; got {value!r}"
+    if any(c in "\u2028\u2029" or unicodedata.category(c) == "Cc" for c in value):
+        return (f"holds a line break or a control character ({value!r}): {VALUE_RULE}, since a line break would "
+                f"open a new line, section or turn of the prompt")
+    if SECTION_MARK in value:
+        return (f"holds {SECTION_MARK!r}, the mark that opens a section of the prompt ({value!r}): {VALUE_RULE}, "
+                f"since a value must not read as a section of its own (a fake '## Policy')")
+    found = SPECIAL_TOKEN.search(value)
+    specials = [t for t in _special_tokens(tokenizer) if t in value] if tokenizer is not None else []
+    if found or specials:
+        token = found.group() if found else specials[0]
+        return f"holds {token!r}, a chat template's special token ({value!r}): {VALUE_RULE}"
+    return None
+
+
+def _special_tokens(tokenizer) -> list[str]:
+    tokens = set(getattr(tokenizer, "all_special_tokens", None) or [])
+    for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(t, "special", False):
+            tokens.add(str(getattr(t, "content", t)))
+    return sorted((t for t in tokens if t and len(t) > 1), key=len, reverse=True)
+
+
 def _check_value(name: str, value: str) -> None:
-    if not value or value != value.strip() or "\n" in value:
-        raise ValueError(f"{name} must be non-empty, one line, without surrounding spaces; got {value!r}")
+    problem = value_problem(value)
+    if problem:
+        raise ValueError(f"{name} {problem}")
 
 
 def template_pieces(template: str) -> list[tuple[str, str | None]]:
@@ -140,6 +185,8 @@ class EditCase(BaseModel):
         if missing := [n for n in names if n != field and n not in values]:
             raise ValueError(f"no value for the template's placeholder(s) {_listed(missing)}; give every "
                              f"placeholder but {{{field}}} a value")
+        for name, value in values.items():
+            _check_value(f"values.{name}", value)
         return values
 
     @model_validator(mode="after")

@@ -65,11 +65,14 @@ class Auto(Strategy):
         return _POLICIES[key]
 
     def check(self, lm, a) -> None:
-        self._policy(lm)
+        policy = self._policy(lm)
+        if isinstance(policy, field_policy.FieldPolicy):
+            policy.check_case(a.case)
 
     def apply(self, ctx: EditContext) -> Edited:
         policy = self._policy(ctx.lm, ctx.policy)
         if isinstance(policy, field_policy.FieldPolicy):  # calibrated per field: no runtime check needed
+            policy.check_case(ctx.a.case)  # of the prompt it was calibrated on, or refused
             spec, why = policy.choice(ctx.a.case.field)
             chosen = parse_strategy(spec)
             return dataclasses.replace(chosen.apply(ctx), chose=chosen.spec, note=why)

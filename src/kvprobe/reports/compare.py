@@ -17,7 +17,7 @@ from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.reports.figures import PALETTE, new_figure, styled, to_img
 from kvprobe.reports.folder import load_runs
 from kvprobe.reports.stats import RULE
-from kvprobe.reports.summary import REPAIR_RULE, SCHEMA_VERSION, WHERE_RULE, stat_text, summarize_run
+from kvprobe.reports.summary import REPAIR_RULE, SCHEMA_VERSION, WHERE_RULE, repair_answer, stat_text, summarize_run
 from kvprobe.results import MANIFEST, SWEEP_MANIFEST, atomic_write
 
 COMPARE_VERSION = 1
@@ -106,9 +106,11 @@ def headline_cells(s: dict) -> dict[str, str]:
     w, r, c, v = s.get("where"), s.get("repair"), s.get("composition"), s.get("validity")
     repair = "n/a"
     if r:
-        name = r["recommended"] or f"none established (closest {r['closest']})"
+        name = repair_answer(r)
         frac = f", {100 * r['frac_recomputed']:.1f}% recomputed" if r["frac_recomputed"] is not None else ""
-        repair = f"{name}: {stat_text(r['agreement'])}{frac}"
+        # the numbers are the recommended repair's, or the closest's where nothing is established at all
+        single = r["recommended"] or name.startswith("none established")
+        repair = f"{name}: {stat_text(r['agreement'])}{frac}" if single else name
     return {"model": s["model"],
             "where the decision lives": f"{w['where']} (field {stat_text(w['field_recovery'])})" if w else "n/a",
             f"repair (lower bound >= {s['threshold']:g})": repair, "K*": _k_text(s.get("k_star")),

@@ -206,6 +206,23 @@ def _candidate(r: dict) -> Candidate:
                      Leg.of(c.get("value"), c.get("n")), r["frac_recomputed"], seconds)
 
 
+def repair_answer(r: dict) -> str:
+    """The short answer to "which repair?" from :func:`repair`'s verdict: the repair established on
+    both legs; else the repairs established per kind of field, each for its kind; only where nothing
+    is established, ``none established`` and the closest (which the verdict does not name)."""
+    if r["recommended"]:
+        return r["recommended"]
+    per = r.get("per_field") or {}
+    dec, ctl = per.get("decision_fields"), per.get("control_fields")
+    if dec and ctl:
+        return f"per field: {dec} for the fields that decide, {ctl} for the fields that must not matter"
+    if dec:
+        return f"{dec} for the fields that decide (none established for the fields that must not matter)"
+    if ctl:
+        return f"{ctl} for the fields that must not matter (none established for the fields that decide)"
+    return f"none established (closest: {r['closest']})"
+
+
 def repair(rows: list[dict], threshold: float) -> dict | None:
     """The recommended repair by :data:`REPAIR_RULE` among ``rows`` (:func:`strategy_rows`), and per
     kind of field: the cheapest repair established on agreement alone (for the fields that decide)

@@ -186,7 +186,9 @@ def workload(spec, gating: list[str], sessions: int, turns: int, gating_share: f
     return starts, out
 
 
-def arm_renderings(arm: str, spec, policy) -> dict[str, Rendering]:
+def arm_renderings(arm: str, spec, policy, calibrated=()) -> dict[str, Rendering]:
+    """Each field's rendering in ``arm``; the policy arm's from ``policy``, which must be of ``spec``
+    or of one of ``calibrated`` (the unpadded spec)."""
     if arm == "rerender":
         return {n: Rendering("rerender", reason="the reference: every value in place") for n in spec.fields}
     if arm == "erratum":
@@ -194,7 +196,7 @@ def arm_renderings(arm: str, spec, policy) -> dict[str, Rendering]:
     if policy is None:
         raise UsageError("the policy arm needs a per-field policy: give --field-policy FIELD_POLICY.YAML "
                          "(from `kvprobe calibrate`), or leave the arm out")
-    return renderings(spec, policy)
+    return renderings(spec, policy, calibrated=calibrated)
 
 
 def answer_ids(tokenizer, options: list[str]) -> dict[str, list[int]]:
@@ -244,7 +246,7 @@ class AgentBench(ServerRun):
         self.spec = padded_spec(base, self.tok, cfg.policy_tokens, cfg.seed)
         self.calibrated_on = policy_template(cfg.field_policy, self.spec, base)
         self.gating = gating_fields(self.spec, self.policy, cfg.gating)
-        self.rendering = {arm: arm_renderings(arm, self.spec, self.policy) for arm in cfg.arms}
+        self.rendering = {arm: arm_renderings(arm, self.spec, self.policy, (base,)) for arm in cfg.arms}
         self.option_ids = answer_ids(self.tok, self.spec.options)
         if not all(self.option_ids.values()):
             raise KvprobeError(f"{cfg.spec}: an option has no non-space first token: {self.spec.options}")

@@ -70,7 +70,7 @@ def _note_template(strategy) -> str | None:
     return strategy.template if isinstance(strategy, ErratumTurn) else None
 
 
-def renderings(spec, policy=None, default: Rendering = DEFAULT) -> dict[str, Rendering]:
+def renderings(spec, policy=None, default: Rendering = DEFAULT, calibrated=()) -> dict[str, Rendering]:
     """Each field of ``spec`` -> its :class:`Rendering`, from a ``field_policy.yaml`` (a path or a
     loaded :class:`~kvprobe.field_policy.FieldPolicy`; None: ``default`` for every field).
 
@@ -93,6 +93,7 @@ def renderings(spec, policy=None, default: Rendering = DEFAULT) -> dict[str, Ren
             raise KvprobeError(f"{policy} is a top-K policy (topk.yaml); the prompt state needs a per-field policy: "
                                f"a field_policy.yaml from `kvprobe calibrate` of this template")
         policy = loaded
+    policy.check_spec(spec, *calibrated)
     out = {}
     for name in spec.fields:
         f = policy.fields.get(name)
@@ -101,7 +102,7 @@ def renderings(spec, policy=None, default: Rendering = DEFAULT) -> dict[str, Ren
                                                      f"{', '.join(policy.fields)}): rewrite the prefix")
             continue
         repair = str(f["repair"])
-        if repair == "none":
+        if repair == "none" and f.get("verdict") == "degenerate":  # verified: mostly same-token-id draws
             out[name] = Rendering("none", reason=f"{name}: {f.get('reason')} (degenerate: nothing the model sees "
                                                  f"changes)")
             continue
@@ -121,6 +122,18 @@ def renderings(spec, policy=None, default: Rendering = DEFAULT) -> dict[str, Ren
         out[name] = Rendering("rerender", reason=f"{name}: {repair} ({f.get('verdict')}) is not a note a server can "
                                                  f"append{moved}: rewrite the prefix")
     return out
+
+
+def _check_values(values: dict, what: str) -> None:
+    """Refuse (one line) a value that is not one line of plain text: a line break or a chat
+    template's special token in a value would open a new turn or section of the prompt the server
+    renders (:func:`kvprobe.datasets.schema.value_problem`); None or a number is not text either."""
+    from kvprobe.datasets.schema import value_problem
+
+    for name, value in values.items():
+        problem = value_problem(value)
+        if problem:
+            raise UsageError(f"the {what} of {name} {problem}")
 
 
 @dataclass
@@ -154,7 +167,8 @@ class PromptState:
         if missing or extra:
             raise UsageError(f"the starting values must name every field of the template once ({', '.join(names)}); "
                              f"{'missing ' + ', '.join(missing) if missing else 'unknown ' + ', '.join(extra)}")
-        self.values = {n: str(self.values[n]) for n in names}
+        _check_values(self.values, "starting value")
+        self.values = {n: self.values[n] for n in names}
         if not isinstance(self.rendering, dict):  # a policy file, or a loaded FieldPolicy
             self.rendering = renderings(self.spec, self.rendering)
         self.rendering = {n: self.rendering.get(n, DEFAULT) for n in names}
@@ -166,7 +180,8 @@ class PromptState:
         unknown = [n for n in changes if n not in self.values]
         if unknown:
             raise UsageError(f"no field {unknown[0]!r} in the template; its fields: {', '.join(self.values)}")
-        self.values.update({n: str(v) for n, v in changes.items()})
+        _check_values(changes, "new value")
+        self.values.update(changes)
         if any(self.rendering[n].kind == "rerender" for n in changes):
             self.prefix = dict(self.values)
             self.rewrites += 1

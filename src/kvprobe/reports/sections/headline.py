@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvprobe.reports.folder import Run
 from kvprobe.reports.sections.registry import Section, register
-from kvprobe.reports.summary import REPAIR_RULE, WHERE_RULE, summarize_run
+from kvprobe.reports.summary import REPAIR_RULE, WHERE_RULE, repair_answer, summarize_run
 
 
 def build_headline(run: Run) -> dict | None:
@@ -19,7 +19,7 @@ def build_headline(run: Run) -> dict | None:
     if s["repair"]:
         r = s["repair"]
         facts.append({"id": "repair", "label": "Repair to use",
-                      "answer": r["recommended"] or f"none established (closest: {r['closest']})",
+                      "answer": repair_answer(r),
                       "sentence": r["sentence"], "rule": f"{REPAIR_RULE} ({r['threshold']:g})"})
     if s["k_star"]:
         k = s["k_star"]

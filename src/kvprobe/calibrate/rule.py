@@ -1,0 +1,109 @@
+"""The calibration's rule, from counts alone: when a field may stop and which repair it gets
+(:func:`decide`), what a field whose edits were mostly not measured gets (:func:`unmeasured`), and
+what a candidate and a threshold may be. :func:`kvprobe.calibrate.engine.calibrate` applies it pair
+by pair; :func:`kvprobe.field_policy.verify` applies it again to a policy file's recorded counts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from kvprobe.calibrate.stats import Sequence
+from kvprobe.errors import UsageError
+
+SAME_IDS = "old and new value have the same token ids"
+DEGENERATE_SHARE = 0.5  # a field whose drawn pairs are mostly not measurable gets no repair verdict
+MIN_DRAWN = 10  # ... once at least this many pairs were drawn
+# not repairs of the cached prompt: the stale cache, a rewritten prompt (hoist), the oracle itself, a chooser
+NOT_CANDIDATES = ("stale", "hoist", "oracle", "auto")
+MIN_THRESHOLD = 0.5  # below it a repair that disagrees with the oracle more often than not could be "established"
+
+
+def is_candidate(spec: str) -> bool:
+    """Whether ``spec`` (a parsed strategy's spec) is a repair a calibration may measure and a
+    field policy may name: not one of :data:`NOT_CANDIDATES`."""
+    return spec.partition(":")[0] not in NOT_CANDIDATES
+
+
+def check_threshold(threshold, what: str) -> float:
+    """``threshold`` if it is a repair threshold: a number in [0.5, 1); else a one-line UsageError."""
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold) \
+            or not MIN_THRESHOLD <= threshold < 1:
+        raise UsageError(f"{what} must be a number in [{MIN_THRESHOLD:g}, 1) (a repair agrees with the oracle at "
+                         f"least that often), got {threshold!r}")
+    return float(threshold)
+
+
+@dataclass
+class FieldResult:
+    name: str
+    pairs: int = 0
+    degenerate: int = 0  # pairs whose values have the same token ids
+    skipped: int = 0  # pairs not measured: those, and pairs that cannot be edited in place
+    changed: int = 0
+    chosen: str = "oracle"
+    verdict: str = "open"
+    reason: str = ""
+    seconds: float = 0.0
+    counts: dict[str, list[int]] = field(default_factory=dict)  # strategy -> [agree, n]
+
+
+def unmeasured(res: FieldResult, name: str, drawn: int, skips: list[str]) -> None:
+    """A field most of whose drawn edits were not measured. Two cases, told apart by the counts:
+
+    - ``degenerate`` (repair ``none``): most skipped edits have old and new values of the same
+      token ids, so the model sees no change (the tokenizer maps the values alike, e.g. to [UNK]);
+    - ``unmeasurable`` (repair ``oracle``, the policy's default): the edits change what the model
+      sees but cannot be edited in place (the values tokenise to different lengths), so kvprobe knows
+      nothing of any repair: the field is re-prefilled (a server re-renders it), never "sent as
+      nothing"."""
+    top = Counter(s.split(" (")[0] for s in skips).most_common(1)[0][0]
+    if res.degenerate * 2 > res.skipped:
+        res.verdict, res.chosen = "degenerate", "none"
+        res.reason = (f"{res.skipped} of {drawn} drawn edits of {name} were not measured ({res.degenerate} of them: "
+                      f"{SAME_IDS}; the tokenizer maps the values alike, e.g. [UNK]): nothing the model can see "
+                      f"changes")
+    else:
+        res.verdict, res.chosen = "unmeasurable", "oracle"
+        res.reason = (f"{res.skipped} of {drawn} drawn edits of {name} cannot be measured ({top}; "
+                      f"{res.degenerate} had the same token ids): no repair was measured, so the oracle (a full "
+                      f"re-prefill) until values of equal token length are given")
+
+
+def decide(res: FieldResult, seq: Sequence, candidates: list[str], final: bool = False,
+           unit: str = "pairs") -> bool:
+    """Set the field's choice from the verdicts so far; True when the field may stop. ``unit`` names
+    what one draw of the stream is in the reason (kvprobe memory's policy: ``edits``)."""
+    verdicts = {s: seq.verdict(*res.counts[s]) for s in candidates}
+    live = [s for s in candidates if verdicts[s] != "ruled out"]
+    relevance = (f"no {unit[:-1]} changed the oracle's decision" if res.changed == 0 else
+                 f"{res.changed} of {res.pairs} {unit} changed the oracle's decision")
+    if not live:
+        res.chosen, res.verdict = "oracle", "established"
+        res.reason = f"every candidate is ruled out below {seq.threshold:g} ({relevance})"
+        return True
+    first = live[0]
+    if verdicts[first] == "established":
+        k, n = res.counts[first]
+        res.chosen, res.verdict = first, "established"
+        cheaper = ("the cheapest candidate" if first == candidates[0] else
+                   f"{', '.join(candidates[:candidates.index(first)])} ruled out")
+        res.reason = (f"{first} gives the oracle's decision on {k} of {n} {unit} (lower bound "
+                      f"{seq.lower(k, n):.3f} >= {seq.threshold:g}; {cheaper}); {relevance}")
+        return True
+    if final:
+        done = [s for s in candidates if verdicts[s] == "established"]
+        if done:
+            k, n = res.counts[done[0]]
+            res.chosen, res.verdict = done[0], "established"
+            res.reason = (f"{done[0]} is established (lower bound {seq.lower(k, n):.3f}); cheaper candidates "
+                          f"were still open after {res.pairs} {unit}; {relevance}")
+        else:
+            out = [s for s in candidates if verdicts[s] == "ruled out"]
+            res.chosen, res.verdict = "oracle", "budget"
+            res.reason = (f"no candidate established within {res.pairs} {unit} (the budget; "
+                          + (f"ruled out: {', '.join(out)}; " if out else "")
+                          + f"still open: {', '.join(live)}): the oracle until more {unit} are measured; {relevance}")
+    return False
