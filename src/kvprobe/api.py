@@ -117,7 +117,7 @@ class EditableContext:
     def _check_value(self, name: str, value) -> None:
         """A field's value is one line of plain text, without this tokenizer's special tokens either
         (:func:`kvprobe.datasets.schema.value_problem`)."""
-        problem = value_problem(value, self.lm.tokenizer)
+        problem = value_problem(value, getattr(getattr(self, "lm", None), "tokenizer", None))
         if problem:
             raise UsageError(f"the value of field {name!r} {problem}")
 

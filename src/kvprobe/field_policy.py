@@ -115,19 +115,19 @@ class _Refused(Exception):
     pass
 
 
-def verify(data, path, parse=None) -> FieldPolicy:
+def verify(data, path, parse) -> FieldPolicy:
     """Check a field policy against its own numbers and return it, or refuse it in one line naming
     the file (a :class:`~kvprobe.errors.KvprobeError`).
 
     A policy is evidence, so every verdict is recomputed: each candidate's bounds from its recorded
     counts at the recorded threshold (kvprobe's alphas, the lower one shared by the candidates),
     the field's relevance from its change rate, and the field's repair and verdict from those by the
-    calibration's own rule (:func:`kvprobe.calibrate.rule.decide`); a ``degenerate`` field (repair
+    calibration's own rule (:func:`kvprobe.stopping.rule.decide`); a ``degenerate`` field (repair
     ``none``) must have mostly same-token-id draws, an ``unmeasurable`` one gets the oracle. A repair
     that is not a repair (``stale``, ``hoist``, ``auto``) is never accepted, and the default is the
     oracle. What it cannot see is a file whose counts were all rewritten consistently: it checks
     evidence, it is not a signature. ``parse`` is :func:`kvprobe.editor.strategies.parse_strategy`
-    (None: imported here)."""
+    (handed in: the editor sits above this module)."""
     path = Path(path)
     try:
         return _verify(data, path, parse)
@@ -136,14 +136,10 @@ def verify(data, path, parse=None) -> FieldPolicy:
 
 
 def _verify(data, path: Path, parse) -> FieldPolicy:
-    from kvprobe.calibrate.rule import (DEGENERATE_SHARE, MIN_DRAWN, MIN_THRESHOLD, FieldResult, decide,
-                                        is_candidate)
-    from kvprobe.calibrate.stats import ALPHA_LOWER, ALPHA_UPPER, Sequence
-    from kvprobe.calibrate.summary import relevance
     from kvprobe.results import MODEL_KEYS
-
-    if parse is None:
-        from kvprobe.editor.strategies import parse_strategy as parse
+    from kvprobe.stopping.rule import (DEGENERATE_SHARE, MIN_DRAWN, MIN_THRESHOLD, FieldResult, decide, is_candidate,
+                                       relevance)
+    from kvprobe.stopping.sequence import ALPHA_LOWER, ALPHA_UPPER, Sequence
 
     def bad(where: str, what: str):
         raise _Refused(f"{where} {what}")
@@ -252,10 +248,11 @@ def _verify(data, path: Path, parse) -> FieldPolicy:
         if f.get("relevance") != want:
             bad(f"{at}.relevance", f"is {f.get('relevance')!r}, but its counts give {want!r}")
         strategies = f.get("strategies")
-        if not isinstance(strategies, dict) or list(strategies) != cands:
-            bad(f"{at}.strategies", f"must hold the candidates {', '.join(cands)}, in that order")
+        if not isinstance(strategies, dict) or sorted(strategies) != sorted(cands):
+            bad(f"{at}.strategies", f"must hold the candidates {', '.join(cands)}")
         counts = {}
-        for s, e in strategies.items():
+        for s in cands:
+            e = strategies[s]
             sat = f"{at}.strategies.{s}"
             if not isinstance(e, dict) or [k for k in e if k not in STRATEGY_KEYS]:
                 bad(sat, f"must hold {', '.join(STRATEGY_KEYS)}")

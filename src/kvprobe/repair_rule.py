@@ -12,7 +12,7 @@ A leg with no case measured is *open*, so a repair measured without controls is 
 established. A leg is *ruled out* when its interval lies wholly below ``t``. Among the established
 repairs the cheapest wins: the least share of tokens recomputed, then the least time to the
 decision. ``kvprobe calibrate`` applies the same two legs per field with an interval that stays
-valid under its repeated looks (:mod:`kvprobe.calibrate.stats`): one stream per field whose
+valid under its repeated looks (:mod:`kvprobe.stopping.sequence`): one stream per field whose
 pairs are agreement where the oracle's decision changed and no-flip where it did not.
 
 This module imports nothing but the standard library (``kvprobe.policy`` reads it, and must load

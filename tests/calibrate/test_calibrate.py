@@ -16,6 +16,7 @@ from kvprobe.calibrate.stats import Sequence, first_look, simulate_coverage
 from kvprobe.calibrate.values import parse_values
 from kvprobe.errors import KvprobeError
 from kvprobe.field_policy import verify
+from kvprobe.editor.strategies import parse_strategy
 from tests.cli.test_conventions import error_line, kvprobe as cli
 
 TOY_SPEC = "examples/calibrate-toy.yaml"
@@ -155,7 +156,8 @@ def test_calibrate_command_writes_a_policy_and_resumes_with_a_larger_budget(tmp_
     assert policy["kvprobe_field_policy"] == 3 and set(policy["fields"]) == {"subscription_tier", "timestamp",
                                                                               "request_id"}
     assert all(f["repair"] == "oracle" and f["verdict"] == "budget" for f in policy["fields"].values())
-    verify(policy, out / "field_policy.yaml").check_spec(load_spec(TOY_SPEC))  # what kvprobe writes, it reads
+    # what kvprobe writes, it reads (verified against its own counts and its template)
+    verify(policy, out / "field_policy.yaml", parse_strategy).check_spec(load_spec(TOY_SPEC))
     rows = pd.read_parquet(out / "calibration.parquet")
     again = cli("calibrate", TOY_SPEC, "--model", "toy-qwen2", "--max-pairs", "3", "--out", out)
     assert again.returncode == 1, again.stderr[-2000:]

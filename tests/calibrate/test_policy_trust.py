@@ -102,7 +102,7 @@ def test_an_unmeasurable_field_is_rerendered_and_a_degenerate_one_sends_nothing(
     bad = yaml.safe_load(path.read_text())
     bad["fields"]["request_id"].update(verdict="degenerate", repair="none", relevance="degenerate")
     with pytest.raises(KvprobeError, match="only 0 of its 10 skipped pairs had the same token ids"):
-        field_policy.verify(bad, "bad.yaml")
+        field_policy.verify(bad, "bad.yaml", parse_strategy)
 
 
 def _tampered():

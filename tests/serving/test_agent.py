@@ -3,6 +3,7 @@ template, the stand-in server of conftest.py, and a vLLM chat stream recorded fr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -98,25 +99,43 @@ def test_renderings_follow_the_calibrated_policy(tmp_path):
     assert got["received"].kind == got["request_id"].kind == "none"
     assert "no pair of 83 changed" in got["received"].reason
     assert renderings(spec) == {n: DEFAULT for n in spec.fields} and DEFAULT.label == "note:paper"
-    # a field the policy could not establish a repair for, one it did not calibrate, a neutral note
-    data = yaml.safe_load(POLICY.read_text())
-    data["fields"]["tier"].update(repair="oracle", verdict="budget")
-    data["fields"]["received"].update(repair="erratum_turn:neutral")
-    del data["fields"]["request_id"]
-    (tmp_path / "p.yaml").write_text(yaml.safe_dump(data))
-    got = renderings(spec, tmp_path / "p.yaml")
+    # the branches of the rendering, on the verified policy with entries replaced (a loaded FieldPolicy
+    # is taken as it is): a field the policy could not establish a repair for, one it did not
+    # calibrate, a neutral note
+    from kvprobe.editor.strategies import parse_strategy
+    from kvprobe.errors import KvprobeError
+    from kvprobe.field_policy import load_any
+
+    verified = load_any(POLICY, None, parse_strategy)
+
+    def replaced(**changes):
+        fields = {n: dict(f) for n, f in verified.fields.items() if changes.get(n, {}) is not None}
+        for n, update in changes.items():
+            if update is not None:
+                fields[n].update(update)
+        return dataclasses.replace(verified, fields=fields)
+
+    got = renderings(spec, replaced(tier={"repair": "oracle", "verdict": "budget"},
+                                    received={"repair": "erratum_turn:neutral"}, request_id=None))
     assert got["tier"].kind == "rerender" and got["received"].label == "note:neutral"
     assert got["request_id"].kind == "rerender" and "did not calibrate 'request_id'" in got["request_id"].reason
     # a field_only repair on a field that moved the decision has no deployable form: rerender
-    # and so has an erratum placed inside the prompt before the question; a degenerate field needs nothing
+    # and so has an erratum placed inside the prompt before the question; a degenerate field needs nothing,
+    # an unmeasurable one (never measured) is rerendered
     for repair in ("field_only", "erratum:short"):
-        data = yaml.safe_load(POLICY.read_text())
-        data["fields"]["tier"].update(repair=repair)
-        data["fields"]["request_id"].update(repair="none", verdict="degenerate", change_rate=None)
-        (tmp_path / "q.yaml").write_text(yaml.safe_dump(data))
-        got = renderings(spec, tmp_path / "q.yaml")
+        got = renderings(spec, replaced(tier={"repair": repair},
+                                        request_id={"repair": "none", "verdict": "degenerate", "change_rate": None},
+                                        received={"repair": "oracle", "verdict": "unmeasurable"}))
         assert got["tier"].kind == "rerender" and "moved the decision on 51 of 83" in got["tier"].reason
         assert got["request_id"].kind == "none" and "degenerate" in got["request_id"].reason
+        assert got["received"].kind == "rerender"
+    # the same edits made in the file are refused: its counts give other repairs
+    data = yaml.safe_load(POLICY.read_text())
+    data["fields"]["received"].update(repair="erratum_turn:neutral")
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(data))
+    refused = r"says erratum_turn:neutral \(established\), but its counts give field_only"
+    with pytest.raises(KvprobeError, match=refused):
+        renderings(spec, tmp_path / "p.yaml")
 
 
 # -- the client ----------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ field moved to another value), and each pair is run three ways: the stale cache'
 oracle's (a full re-prefill of the new prompt) and each candidate repair's. A candidate's stream
 is "its decision equals the oracle's": on a pair where the oracle's decision changed, that is
 agreement; where it did not, it is the absence of a spurious flip. The field stops as soon as the
-confidence sequence (:mod:`kvprobe.calibrate.stats`) allows a verdict for the cheapest candidate
+confidence sequence (:mod:`kvprobe.stopping.sequence`) allows a verdict for the cheapest candidate
 still in play (candidates are given cheapest first), when every candidate is ruled out (then the
 oracle), or at ``max_pairs``. Pairs whose old and new value have the same token ids change
 nothing the model can see: they are counted as degenerate and not measured; a field made mostly of
@@ -20,16 +20,16 @@ import random
 import string
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 import torch
 import yaml
 
-from kvprobe.calibrate.rule import (DEGENERATE_SHARE, MIN_DRAWN, NOT_CANDIDATES, SAME_IDS, FieldResult, check_threshold,  # noqa: F401
+from kvprobe.stopping.rule import (DEGENERATE_SHARE, MIN_DRAWN, NOT_CANDIDATES, SAME_IDS, FieldResult, check_threshold,  # noqa: F401
                                     decide, is_candidate, unmeasured)
-from kvprobe.calibrate.stats import Sequence
+from kvprobe.stopping.sequence import Sequence
 from kvprobe.calibrate.summary import policy_of, summarize
 from kvprobe.calibrate.values import ValueSet, parse_values
 from kvprobe.errors import KvprobeError, UsageError

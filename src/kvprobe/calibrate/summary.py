@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kvprobe.calibrate.stats import ALPHA_LOWER, ALPHA_UPPER, Sequence
+from kvprobe.stopping.rule import relevance
+from kvprobe.stopping.sequence import ALPHA_LOWER, ALPHA_UPPER, Sequence
 
 
 def _share(seq: Sequence, k: int, n: int) -> dict:
@@ -54,17 +55,6 @@ def summarize(rows: pd.DataFrame, results: list, seq: Sequence, change_seq: Sequ
                 "oracle_s": oracle_s, "chosen": res.chosen == s, "seconds": res.seconds,
             })
     return pd.DataFrame(out)
-
-
-def relevance(verdict: str, changed: int, pairs: int, change_seq: Sequence) -> str:
-    """How a field bears on the decision: ``degenerate`` (the model sees no change), ``unmeasured``
-    (its edits could not be measured), ``inert`` (no pair changed the oracle's decision), ``gating``
-    (the lower bound of the change rate reaches 0.5), else ``mixed``."""
-    if verdict in ("degenerate", "unmeasurable"):
-        return "degenerate" if verdict == "degenerate" else "unmeasured"
-    if changed == 0:
-        return "inert"
-    return "gating" if change_seq.lower(changed, pairs) >= 0.5 else "mixed"
 
 
 def relevance_of(res, change_seq: Sequence) -> str:

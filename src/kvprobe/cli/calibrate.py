@@ -9,7 +9,6 @@ from rich.table import Table
 
 from kvprobe.cli import options as opt
 from kvprobe.cli.common import console, executor_for, load_with_status, progress_bar, usable_out
-from kvprobe.errors import UsageError
 
 
 def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calibration spec (YAML: template, fields, question, options, "
@@ -36,7 +35,8 @@ def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calib
     """
     from kvprobe import field_policy
     from kvprobe.calibrate.engine import (CALIBRATION, MANIFEST, POLICY_FILE, SUMMARY, calibrate as run_calibration,
-                                          check_threshold, load_spec)
+                                          load_spec)
+    from kvprobe.stopping.rule import check_threshold
     from kvprobe.editor.strategies import parse_strategy
     from kvprobe.errors import CheckFailed
     from kvprobe.results import CALIBRATE_CLAIM, ResultsFolder, atomic_write_parquet
@@ -90,8 +90,8 @@ def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calib
         if unmeasurable:
             said.append(f"{', '.join(unmeasurable)} could not be measured (its values tokenise to different lengths: "
                         f"give values of equal token length)")
-        raise CheckFailed(f"{'; '.join(said)}: the policy gives {'it' if len(open_fields + unmeasurable) == 1 else 'them'} "
-                          f"the oracle")
+        them = "it" if len(open_fields + unmeasurable) == 1 else "them"
+        raise CheckFailed(f"{'; '.join(said)}: the policy gives {them} the oracle")
 
 
 def print_table(cal, model: str, threshold: float) -> None:
@@ -131,6 +131,7 @@ def check_policy(policy: Path = typer.Argument(..., help="a field_policy.yaml (f
     not a signature: a file whose counts were all rewritten consistently is not caught."""
     from kvprobe import yamlio
     from kvprobe.calibrate.engine import load_spec
+    from kvprobe.editor.strategies import parse_strategy
     from kvprobe.errors import KvprobeError
     from kvprobe.field_policy import verify
 
@@ -141,7 +142,7 @@ def check_policy(policy: Path = typer.Argument(..., help="a field_policy.yaml (f
         text = policy.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise KvprobeError(f"{policy} cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
-    checked = verify(yamlio.load(text, str(policy)), policy)
+    checked = verify(yamlio.load(text, str(policy)), policy, parse_strategy)
     if spec is not None:
         checked.check_spec(load_spec(spec))
     m = checked.model

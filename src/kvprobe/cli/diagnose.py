@@ -137,6 +137,8 @@ def diagnose(prompt: Prompt, model: opt.Model = opt.DEFAULTS["model"],
         from kvprobe.editor.auto import load_policy
 
         loaded = load_policy(policy, lm)
+        if hasattr(loaded, "check_case"):  # a field policy: of this prompt, or refused before any work
+            loaded.check_case(case)
     with progress_bar() as bar:
         def start(total: int):
             task = bar.add_task(f"diagnosing {len(new_values)} value(s) x {len(specs)} strategies", total=total)

@@ -1,6 +1,6 @@
 """The per-field policy arm of ``kvprobe memory``: which repair to deploy when a given profile fact
 changes, calibrated on users apart from the evaluation's with ``kvprobe calibrate``'s confidence
-sequence and stopping rule (:mod:`kvprobe.calibrate.stats`, :func:`kvprobe.calibrate.engine.decide`).
+sequence and stopping rule (:mod:`kvprobe.stopping.sequence`, :func:`kvprobe.stopping.rule.decide`).
 
 The calibration split (:func:`kvprobe.datasets.memory.calibration_memory`) edits every fact of each
 calibration user's profile in turn; one *element* is one such edit, read on four questions (the
@@ -29,7 +29,7 @@ import pandas as pd
 import torch
 
 from kvprobe.calibrate.engine import FieldResult, decide
-from kvprobe.calibrate.stats import ALPHA_LOWER, ALPHA_UPPER, Sequence
+from kvprobe.stopping.sequence import ALPHA_LOWER, ALPHA_UPPER, Sequence
 from kvprobe.composer.gate import option_token_ids
 from kvprobe.datasets.memory import MemorySegments, MemorySet, calibration_memory, segments
 from kvprobe.executor import Context, Serial

@@ -1,7 +1,8 @@
 """The calibration's rule, from counts alone: when a field may stop and which repair it gets
-(:func:`decide`), what a field whose edits were mostly not measured gets (:func:`unmeasured`), and
-what a candidate and a threshold may be. :func:`kvprobe.calibrate.engine.calibrate` applies it pair
-by pair; :func:`kvprobe.field_policy.verify` applies it again to a policy file's recorded counts.
+(:func:`decide`), what a field whose edits were mostly not measured gets (:func:`unmeasured`), how
+it bears on the decision (:func:`relevance`), and what a candidate and a threshold may be.
+:func:`kvprobe.calibrate.engine.calibrate` applies it pair by pair; :func:`kvprobe.field_policy.verify`
+applies it again to a policy file's recorded counts.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvprobe.calibrate.stats import Sequence
+from kvprobe.stopping.sequence import Sequence
 from kvprobe.errors import UsageError
 
 SAME_IDS = "old and new value have the same token ids"
@@ -107,3 +108,14 @@ def decide(res: FieldResult, seq: Sequence, candidates: list[str], final: bool =
                           + (f"ruled out: {', '.join(out)}; " if out else "")
                           + f"still open: {', '.join(live)}): the oracle until more {unit} are measured; {relevance}")
     return False
+
+
+def relevance(verdict: str, changed: int, pairs: int, change_seq: Sequence) -> str:
+    """How a field bears on the decision: ``degenerate`` (the model sees no change), ``unmeasured``
+    (its edits could not be measured), ``inert`` (no pair changed the oracle's decision), ``gating``
+    (the lower bound of the change rate reaches 0.5), else ``mixed``."""
+    if verdict in ("degenerate", "unmeasurable"):
+        return "degenerate" if verdict == "degenerate" else "unmeasured"
+    if changed == 0:
+        return "inert"
+    return "gating" if change_seq.lower(changed, pairs) >= 0.5 else "mixed"
