@@ -15,6 +15,7 @@ from kvprobe.editor.strategies import FieldOnly, Oracle, Stale, Strategy, arg, p
 from kvprobe.errors import KvprobeError
 from kvprobe.kv.decode import Edited, decide
 from kvprobe.kv.readout import option_scores
+from kvprobe.repair_rule import NOT_REPAIRS_WHY, is_repair
 
 
 # -- choosing per edit ----------------------------------------------------------------------------
@@ -126,6 +127,9 @@ def check_policy_specs(policy: policies.Policy) -> policies.Policy:
         except KvprobeError as exc:
             raise KvprobeError(f"{policy.path} is not a valid topk.yaml: fields.{name}.repair names a strategy this "
                                f"kvprobe does not know ({exc}); {policies.EXPORT} rewrites it") from None
+        if entry.get("repair") and not is_repair(entry["repair"]):
+            raise KvprobeError(f"{policy.path} is not a valid topk.yaml: fields.{name}.repair is {entry['repair']!r}, "
+                               f"which is not a repair ({NOT_REPAIRS_WHY}); {policies.EXPORT} rewrites it")
     return policy
 
 

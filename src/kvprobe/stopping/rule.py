@@ -13,19 +13,19 @@ from dataclasses import dataclass, field
 
 from kvprobe.stopping.sequence import Sequence
 from kvprobe.errors import UsageError
+from kvprobe.repair_rule import NOT_REPAIRS, is_repair
 
 SAME_IDS = "old and new value have the same token ids"
 DEGENERATE_SHARE = 0.5  # a field whose drawn pairs are mostly not measurable gets no repair verdict
 MIN_DRAWN = 10  # ... once at least this many pairs were drawn
-# not repairs of the cached prompt: the stale cache, a rewritten prompt (hoist), the oracle itself, a chooser
-NOT_CANDIDATES = ("stale", "hoist", "oracle", "auto")
+NOT_CANDIDATES = NOT_REPAIRS  # the two ends (stale, oracle), a rewritten prompt (hoist), a chooser (auto)
 MIN_THRESHOLD = 0.5  # below it a repair that disagrees with the oracle more often than not could be "established"
 
 
 def is_candidate(spec: str) -> bool:
     """Whether ``spec`` (a parsed strategy's spec) is a repair a calibration may measure and a
-    field policy may name: not one of :data:`NOT_CANDIDATES`."""
-    return spec.partition(":")[0] not in NOT_CANDIDATES
+    field policy may name (:func:`kvprobe.repair_rule.is_repair`: not one of its NOT_REPAIRS)."""
+    return is_repair(spec)
 
 
 def check_threshold(threshold, what: str) -> float:
