@@ -176,7 +176,7 @@ PLAN: dict[str, Run | Swap | Parse] = {
         Parse("sets a fresh machine up: this environment is that one; `kvprobe run` runs in `## kvprobe run`"),
     "(command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "
     "chromium)) && python3 scripts/cpu.py && python3 -m venv .venv && .venv/bin/pip install -q "
-    "--no-compile -e '.[test,crosscheck]' && PYTHONDONTWRITEBYTECODE= .venv/bin/pytest -q -n 2 --dist worksteal":
+    "--no-compile -e '.[test,crosscheck]' && PYTHONDONTWRITEBYTECODE= .venv/bin/pytest -q -n 2 --dist worksteal --durations=15":
         Parse("is the test suite itself (.ci/run), on a fresh machine"),
     "kvprobe models fetch smollm2-135m": Run("cached after the first fetch: a sha256 check"),
     "kvprobe run": Swap("sized by its rule: 222 cases, 30-60 s", set=SMALL_RUN),

@@ -9,8 +9,10 @@ agreement; where it did not, it is the absence of a spurious flip. The field sto
 confidence sequence (:mod:`kvprobe.stopping.sequence`) allows a verdict for the cheapest candidate
 still in play (candidates are given cheapest first), when every candidate is ruled out (then the
 oracle), or at ``max_pairs``. Pairs whose old and new value have the same token ids change
-nothing the model can see: they are counted as degenerate and not measured; a field made mostly of
-them is refused.
+nothing the model can see, and pairs whose values tokenise to different lengths cannot be edited in
+place: both are counted, not measured. A field made mostly of them gets no repair verdict: it is
+``degenerate`` (repair ``none``) where most had the same token ids, else ``unmeasurable`` (the
+oracle) (:func:`kvprobe.stopping.rule.unmeasured`).
 """
 
 from __future__ import annotations
@@ -27,13 +29,13 @@ import pandas as pd
 import torch
 import yaml
 
-from kvprobe.stopping.rule import (DEGENERATE_SHARE, MIN_DRAWN, NOT_CANDIDATES, SAME_IDS, FieldResult, check_threshold,  # noqa: F401
-                                    decide, is_candidate, unmeasured)
-from kvprobe.stopping.sequence import Sequence
 from kvprobe.calibrate.summary import policy_of, summarize
 from kvprobe.calibrate.values import ValueSet, parse_values
 from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.executor import Context, Serial
+from kvprobe.stopping.rule import (DEGENERATE_SHARE, MIN_DRAWN, NOT_CANDIDATES, SAME_IDS, FieldResult,  # noqa: F401
+                                   check_threshold, decide, is_candidate, unmeasured)
+from kvprobe.stopping.sequence import Sequence
 from kvprobe.tables import CALIBRATION, CALIBRATION_SUMMARY  # noqa: F401  (the CLI imports both from here)
 
 DEFAULT_CANDIDATES = ("field_only", "erratum_turn:neutral", "erratum_turn")

@@ -28,13 +28,13 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from kvprobe.calibrate.engine import FieldResult, decide
-from kvprobe.stopping.sequence import ALPHA_LOWER, ALPHA_UPPER, Sequence
 from kvprobe.composer.gate import option_token_ids
 from kvprobe.datasets.memory import MemorySegments, MemorySet, calibration_memory, segments
 from kvprobe.executor import Context, Serial
 from kvprobe.kv import cache as kvcache
 from kvprobe.memory.runner import State, erratum_state, field_only_state, prefill_state, read_question
+from kvprobe.stopping.rule import FieldResult, decide
+from kvprobe.stopping.sequence import ALPHA_LOWER, ALPHA_UPPER, Sequence
 
 CANDIDATES = ("field_only", "erratum")  # cheapest first: the value's tokens, then the correction line's
 STRATEGIES = ("stale", "oracle", *CANDIDATES)
