@@ -192,3 +192,17 @@ def test_an_injected_value_is_refused_by_the_editable_context(toy):
     special = next(t for t in toy.tokenizer.all_special_tokens if len(t) > 1)  # the toy tokenizer's own
     with pytest.raises(UsageError, match="special token"):
         ctx.edit(tier=f"free{special}")
+
+
+def test_check_policy_accepts_what_kvprobe_wrote_and_refuses_a_hand_edit_in_one_line(tmp_path):
+    from tests.cli.test_conventions import error_line, kvprobe as cli
+
+    good = cli("check-policy", EXAMPLES[0], "--spec", SPECS[EXAMPLES[0].name])
+    assert good.returncode == 0, good.stderr[-2000:]
+    assert "verified" in good.stdout and all(f"{n}: " in good.stdout for n in ("tier", "received", "request_id"))
+    data = yaml.safe_load(EXAMPLES[0].read_text())
+    data["fields"]["tier"]["repair"] = "stale"
+    (tmp_path / "stale.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    assert "fields.tier.repair is 'stale'" in error_line(cli("check-policy", tmp_path / "stale.yaml"), 3)
+    other = [s for n, s in SPECS.items() if n != EXAMPLES[0].name][0]
+    assert "another template" in error_line(cli("check-policy", EXAMPLES[0], "--spec", other), 3)

@@ -102,9 +102,12 @@ def renderings(spec, policy=None, default: Rendering = DEFAULT, calibrated=()) -
                                                      f"{', '.join(policy.fields)}): rewrite the prefix")
             continue
         repair = str(f["repair"])
-        if repair == "none" and f.get("verdict") == "degenerate":  # verified: mostly same-token-id draws
-            out[name] = Rendering("none", reason=f"{name}: {f.get('reason')} (degenerate: nothing the model sees "
-                                                 f"changes)")
+        if repair == "none":  # verified as degenerate (mostly same-token-id draws); anything else was not measured
+            degenerate = f.get("verdict") == "degenerate"
+            out[name] = Rendering("none" if degenerate else "rerender",
+                                  reason=f"{name}: {f.get('reason')} " + ("(degenerate: nothing the model sees changes)"
+                                                                          if degenerate else "(not measured: rewrite the "
+                                                                                             "prefix)"))
             continue
         note = None if repair == policy.default else _note_template(parse_strategy(repair))
         if note is not None:
