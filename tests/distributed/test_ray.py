@@ -174,6 +174,11 @@ def test_calibrate_on_two_workers_uses_the_serial_pairs_and_gives_its_policy(loc
     assert serial.wasted == 0 and par.wasted >= 0
     assert {f: (p["repair"], p["verdict"]) for f, p in serial.policy["fields"].items()} == \
         {f: (p["repair"], p["verdict"]) for f, p in par.policy["fields"].items()}
+    from kvprobe.editor.strategies import parse_strategy
+    from kvprobe.field_policy import verify
+
+    for cal in (serial, par):  # what either writes, every reader accepts: its verdicts follow from its counts
+        verify(cal.policy, "field_policy.yaml", parse_strategy).check_spec(spec)
 
 
 def test_a_sized_run_on_ray_checks_the_serial_cases(local_ray, tmp_path):

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from kvprobe.cli import options as opt
 from kvprobe.cli.common import console, err_console, progress_bar, usable_out
-from kvprobe.errors import EnvironmentProblem, UsageError
+from kvprobe.errors import EnvironmentProblem, KvprobeError, UsageError
 
 serve_app = typer.Typer(help="A vLLM server (CPU build, in its own environment) for the serving benchmark.",
                         no_args_is_help=True)
@@ -209,7 +209,17 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
                                     policy_tokens=policy_tokens, max_s=max_s or 600.0, seed=seed)
             from kvprobe.calibrate.engine import load_spec
 
-            load_spec(spec)  # a bad template fails before any server starts
+            base = load_spec(spec)  # a bad template fails before any server starts
+            if field_policy is not None:  # and so does a policy that is not evidence, or not of this template
+                from kvprobe.editor.strategies import parse_strategy
+                from kvprobe.field_policy import FieldPolicy, load_any
+
+                policy = load_any(field_policy, None, parse_strategy)
+                fields = (policy.template.get("fields") or []) if isinstance(policy, FieldPolicy) else []
+                if isinstance(policy, FieldPolicy) and set(fields) != set(base.fields):
+                    raise KvprobeError(f"{field_policy} was calibrated on a template whose fields are "
+                                       f"{', '.join(fields)}, not {spec}'s ({', '.join(base.fields)}); calibrate this "
+                                       f"template")
         else:
             cfg = bench.BenchConfig(model=model, rates=parse_rates(rates or bench.DEFAULT_RATES), n=n or 16,
                                     max_s=max_s or 60.0, arms=opt.parse_csv(arms) if arms else list(bench.ARMS),
