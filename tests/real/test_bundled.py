@@ -42,16 +42,42 @@ def test_mistral_code_path_is_bit_identical_to_llama_on_smollm2():
     assert torch.equal(llama.model(ids).logits, mistral.model(ids).logits)
 
 
+def test_a_tokenizer_only_folder_holds_the_model_folders_tokenizer(tmp_path):
+    """The tokenizer read from a GGUF without its weights (fetch_tokenizer, for gemma3-270m's and
+    qwen2.5-0.5b's spans below) is saved as the dequantised model folder saves it: the same files,
+    byte for byte, and the same tokenizer loaded from them (shown on smollm2-135m, fetched anyway)."""
+    from transformers import AutoTokenizer
+
+    from kvprobe.models import bundled
+    from kvprobe.models.load import tokenizer_hash
+
+    full = bundled.fetch("smollm2-135m")
+    assert bundled.fetch_tokenizer("smollm2-135m") == bundled.fetch_tokenizer("smollm2-135m-mistral") == full
+    only = tmp_path / "smollm2-135m.tokenizer"
+    bundled.save_tokenizer_from_gguf(bundled.assemble_gguf(bundled.BUNDLED["smollm2-135m"]), only)
+    names = sorted(p.name for p in only.iterdir() if p.name != bundled.READY_MARKER)
+    assert "tokenizer.json" in names and not any(n.endswith(".safetensors") or n == "config.json" for n in names)
+    assert {n: (only / n).read_bytes() for n in names} == {n: (full / n).read_bytes() for n in names}
+    assert tokenizer_hash(AutoTokenizer.from_pretrained(only)) == tokenizer_hash(real_model("smollm2-135m").tokenizer)
+
+
 @pytest.mark.parametrize("alias", ["smollm2-135m", "gemma3-270m", "qwen2.5-0.5b"])
 def test_spans_align_and_decode_to_the_value(alias):
-    from kvprobe.datasets import Skip, align, generate
+    """On each bundled tokenizer (the tokenizer only: spans need no weights, and fetching it reads the
+    GGUF's header without dequantising gemma3-270m's or qwen2.5-0.5b's tensors)."""
+    from transformers import AutoTokenizer
 
-    lm = real_model(alias)
+    from kvprobe.datasets import Skip, align, generate
+    from kvprobe.models import bundled
+
+    # smollm2-135m's model is loaded for the suite anyway; the others need no more than their tokenizer
+    tokenizer = (real_model(alias).tokenizer if alias == "smollm2-135m"
+                 else AutoTokenizer.from_pretrained(bundled.fetch_tokenizer(alias)))
     cases = generate(60, seed=5)
-    aligned = [a for a in (align(c, lm.tokenizer) for c in cases) if not isinstance(a, Skip)]
+    aligned = [a for a in (align(c, tokenizer) for c in cases) if not isinstance(a, Skip)]
     assert len(aligned) >= 0.8 * len(cases)
     for a in aligned[:20]:
-        text = lm.tokenizer.decode(a.ids_old[a.field[0]:a.field[1]]).strip()
+        text = tokenizer.decode(a.ids_old[a.field[0]:a.field[1]]).strip()
         assert text == a.case.old_value
         assert a.ids_old[: a.field[0]] == a.ids_new[: a.field[0]]
         assert a.ids_old[a.field[1]:] == a.ids_new[a.field[1]:]

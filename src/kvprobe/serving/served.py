@@ -40,13 +40,14 @@ def weights_identity(model: str) -> str:
 
 
 def load_tokenizer(model: str):
-    """The tokenizer of a bundled alias (fetched once if needed) or of a local Hugging Face folder."""
+    """The tokenizer of a bundled alias (its tokenizer fetched once if needed, no weights) or of a
+    local Hugging Face folder."""
     from transformers import AutoTokenizer
 
     from kvprobe.models import bundled
 
     check_model(model)
-    folder = bundled.fetch(model) if model in bundled.BUNDLED else Path(model).expanduser()
+    folder = bundled.fetch_tokenizer(model) if model in bundled.BUNDLED else Path(model).expanduser()
     return AutoTokenizer.from_pretrained(folder)
 
 
