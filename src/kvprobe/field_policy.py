@@ -87,10 +87,15 @@ class FieldPolicy:
             raise KvprobeError(f"{self.path} was calibrated on another template ({self.template.get('path')}, digest "
                                f"{want}; {spec.path} has {spec.digest()}): its evidence is of that template; calibrate "
                                f"this one")
-        names = list(spec.fields)
-        if set(self.template.get("fields") or []) != set(names):
-            raise KvprobeError(f"{self.path} lists the fields {', '.join(self.template.get('fields') or [])}, not "
-                               f"{spec.path}'s ({', '.join(names)}); calibrate this template")
+        self.check_fields(spec.fields, spec.path)
+
+    def check_fields(self, names, where) -> None:
+        """Refuse, in one line, a template (``where``) whose field names are not the calibrated ones:
+        the part of :meth:`check_spec` that needs no tokenizer (a padded spec is made with one)."""
+        known = self.template.get("fields") or []
+        if set(known) != set(names):
+            raise KvprobeError(f"{self.path} was calibrated on a template whose fields are {', '.join(known)}, not "
+                               f"{where}'s ({', '.join(names)}); calibrate this template")
 
     def check_case(self, case) -> None:
         """Refuse, in one line, applying this policy to an edit (an EditCase) of another prompt: a

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from kvprobe.cli import options as opt
 from kvprobe.cli.common import console, err_console, progress_bar, usable_out
-from kvprobe.errors import EnvironmentProblem, KvprobeError, UsageError
+from kvprobe.errors import EnvironmentProblem, UsageError
 
 serve_app = typer.Typer(help="A vLLM server (CPU build, in its own environment) for the serving benchmark.",
                         no_args_is_help=True)
@@ -215,11 +215,8 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
                 from kvprobe.field_policy import FieldPolicy, load_any
 
                 policy = load_any(field_policy, None, parse_strategy)
-                fields = (policy.template.get("fields") or []) if isinstance(policy, FieldPolicy) else []
-                if isinstance(policy, FieldPolicy) and set(fields) != set(base.fields):
-                    raise KvprobeError(f"{field_policy} was calibrated on a template whose fields are "
-                                       f"{', '.join(fields)}, not {spec}'s ({', '.join(base.fields)}); calibrate this "
-                                       f"template")
+                if isinstance(policy, FieldPolicy):
+                    policy.check_fields(base.fields, spec)
         else:
             cfg = bench.BenchConfig(model=model, rates=parse_rates(rates or bench.DEFAULT_RATES), n=n or 16,
                                     max_s=max_s or 60.0, arms=opt.parse_csv(arms) if arms else list(bench.ARMS),
