@@ -163,7 +163,6 @@ def train_toy(family: str, *, seed: int = TOY_SEED, train: ToyTrain | None = Non
     start, cpu_start = time.perf_counter(), time.process_time()
     progress(f"drawing {train.steps * train.batch_size} training prompts")
     ids, answers = _drawn(train.steps * train.batch_size, seed, data)
-    ids = [list(x) for x in ids]
     target_ids = {o: option_ids(tokenizer, o)[0] for o in OPTIONS}
     targets = torch.tensor([target_ids[a] for a in answers])
     batches = _batches([len(x) for x in ids], train.batch_size, random.Random(seed + 1))
