@@ -195,6 +195,8 @@ def agent_bench(monkeypatch, chat_byte_tokenizer, tmp_path):
     from kvprobe.serving import agent, bench
 
     monkeypatch.setattr(bench, "load_tokenizer", lambda model: chat_byte_tokenizer)
+    # a folder's salt seeds its workload: fixed here, so that a run's sessions are the same every time
+    monkeypatch.setattr(bench.secrets, "token_hex", lambda n: "5a17e0c1"[:2 * n])
     data = yaml.safe_load(AGENT_POLICY.read_text())
     data["model"]["tokenizer_hash"] = tokenizer_hash(chat_byte_tokenizer)
     (tmp_path / "byte_policy.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
@@ -226,9 +228,14 @@ def test_agent_bench_against_a_stand_in_server(agent_bench, fake_vllm, chat_byte
         # a hundred bytes, and the erratum arm sends up to three, the policy arm only the gating field's
         assert rerender.hit_rate_usage < 0.5 < 0.6 < erratum.hit_rate_usage <= policy.hit_rate_usage
         assert erratum.hit_rate_usage >= 0.95 * erratum.ceiling and policy.hit_rate_usage >= 0.95 * policy.ceiling
-        assert erratum.notes_share > policy.notes_share  # the policy sends no note for inert fields
+        assert erratum.notes_share >= policy.notes_share
         for arm in (erratum, policy):  # a model that follows the latest tier: every arm agrees
             assert arm.gating_k == arm.gating_n > 0 and arm.inert_k == arm.inert_n > 0
+    # the policy sends no note for an inert field: turn for turn no more notes than the erratum arm, and
+    # fewer in all (a session's first change of an inert field is pending in the erratum arm). The share of
+    # turns with a note can tie: where every session's first change gates, every turn carries one in both
+    notes = df.pivot_table(index=["rate", "session", "turn"], columns="arm", values="notes")
+    assert (notes["policy"] <= notes["erratum"]).all() and notes["policy"].sum() < notes["erratum"].sum()
     inert = df[(df["arm"] == "policy") & (df["kind"] == "inert")]
     assert set(inert["rendering"]) == {"none"} and set(df.loc[df["arm"] == "erratum", "rendering"]) == {"note:paper"}
     # the served template is saved as a calibration spec: the policy can be calibrated on exactly it
