@@ -1,5 +1,6 @@
 """A GGUF's header is parsed once per fetch: transformers reads the file for the config, the
-tokenizer and the weights, and inside ``bundled._one_header_parse`` those reads share one reader.
+tokenizer and the weights, and inside ``bundled._one_header_parse`` those reads share one reader
+(and the tensor name map, which transformers asks for once per submodule, is built once).
 (That the folder it writes is byte for byte the one of three parses: benchmarks/gguf_dequant.py,
 1.8x faster on gemma3-270m; the bundled real-model tests fetch through it.)"""
 
@@ -50,10 +51,35 @@ def test_transformers_reads_through_one_reader_per_file_inside_the_block(tmp_pat
     assert gguf.GGUFReader is Counting  # put back
 
 
+def test_the_tensor_name_map_is_built_once_per_architecture_and_depth_inside_the_block():
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+    from transformers.models.llama import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    outside = get_gguf_hf_weights_map(model, TensorProcessor())
+    built = []
+    original = gguf.get_tensor_name_map
+
+    def counting(arch, n_blocks):
+        built.append((arch, n_blocks))
+        return original(arch, n_blocks)
+
+    gguf.get_tensor_name_map = counting
+    try:
+        with bundled._one_header_parse():
+            assert get_gguf_hf_weights_map(model, TensorProcessor()) == outside  # the same names
+            get_gguf_hf_weights_map(model, TensorProcessor())
+        assert len(built) == 1, built  # once, for every submodule and both calls (outside: once a submodule)
+        assert gguf.get_tensor_name_map is counting  # put back
+    finally:
+        gguf.get_tensor_name_map = original
+
+
 def test_the_reader_is_put_back_when_the_block_fails(tmp_path):
-    original = gguf.GGUFReader
+    original, original_map = gguf.GGUFReader, gguf.get_tensor_name_map
     with pytest.raises(RuntimeError, match="dequantising failed"):
         with bundled._one_header_parse():
-            assert gguf.GGUFReader is not original
+            assert gguf.GGUFReader is not original and gguf.get_tensor_name_map is not original_map
             raise RuntimeError("dequantising failed")
-    assert gguf.GGUFReader is original
+    assert gguf.GGUFReader is original and gguf.get_tensor_name_map is original_map
