@@ -1,6 +1,7 @@
 """A GGUF's header is parsed once per fetch: transformers reads the file for the config, the
 tokenizer and the weights, and inside ``bundled._one_header_parse`` those reads share one reader
-(and the tensor name map, which transformers asks for once per submodule, is built once).
+(parsed over a plain array, not a ``np.memmap``, whose slices are slow), and the tensor name map,
+which transformers asks for once per submodule, is built once.
 (That the folder it writes is byte for byte the one of three parses: benchmarks/gguf_dequant.py,
 1.8x faster on gemma3-270m; the bundled real-model tests fetch through it.)"""
 
@@ -49,6 +50,22 @@ def test_transformers_reads_through_one_reader_per_file_inside_the_block(tmp_pat
         load_gguf_checkpoint(str(b))
     assert parsed == [str(a), str(b)]
     assert gguf.GGUFReader is Counting  # put back
+
+
+def test_inside_the_block_the_reader_parses_a_plain_array_over_the_map_and_reads_the_same(tmp_path):
+    from gguf import gguf_reader
+
+    path = str(tiny_gguf(tmp_path / "a.gguf"))
+    outside = gguf.GGUFReader(path)
+    with bundled._one_header_parse():
+        inside = gguf.GGUFReader(path)
+        assert gguf_reader.np is np  # numpy is put back once the header is parsed
+    assert isinstance(outside.data, np.memmap) and type(inside.data) is np.ndarray and not inside.data.flags.writeable
+    assert np.array_equal(inside.data, outside.data)
+    assert list(inside.fields) == list(outside.fields)
+    for name, field in outside.fields.items():
+        assert [p.tobytes() for p in inside.fields[name].parts] == [p.tobytes() for p in field.parts], name
+    assert [(t.name, t.data.tobytes()) for t in inside.tensors] == [(t.name, t.data.tobytes()) for t in outside.tensors]
 
 
 def test_the_tensor_name_map_is_built_once_per_architecture_and_depth_inside_the_block():
