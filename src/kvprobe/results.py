@@ -70,11 +70,9 @@ def atomic_write_parquet(df: pd.DataFrame, path: Path | str) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from kvprobe import __version__
-
     table = pa.Table.from_pandas(schema.typed(df), preserve_index=False)
     meta = {**(table.schema.metadata or {}), b"kvprobe": json.dumps(
-        {"table": path.name, "schema": TABLES_SCHEMA, "version": __version__}).encode()}
+        {"table": path.name, "schema": TABLES_SCHEMA, "version": installed_version("kvprobe")}).encode()}
     table = table.replace_schema_metadata(meta)
     return atomic_write(path, lambda tmp: pq.write_table(table, tmp))
 
@@ -259,16 +257,22 @@ def json_object(path: Path, keys: tuple[str, ...] = (), what: str = "a JSON obje
     return data
 
 
-def package_versions() -> dict:
+def installed_version(pkg: str) -> str | None:
+    """A distribution's version from its installed metadata (None where it is not installed).
+    kvprobe's own is read this way too, not from ``kvprobe.__version__``: importing the package
+    from here would close a loop through its lazy API (kvprobe -> api -> datasets.io -> results)."""
     import importlib.metadata as md
 
-    out = {"python": platform.python_version()}
-    for pkg in ("kvprobe", "torch", "transformers", "pandas", "scikit-learn", "numpy"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = None
-    return out
+    try:
+        return md.version(pkg)
+    except md.PackageNotFoundError:
+        return None
+
+
+def package_versions() -> dict:
+    return {"python": platform.python_version(),
+            **{pkg: installed_version(pkg) for pkg in ("kvprobe", "torch", "transformers", "pandas", "scikit-learn",
+                                                       "numpy")}}
 
 
 RUN_MANIFEST_KEYS = ("kvprobe_run", "config", "model")  # what `kvprobe run` writes and the report reads

@@ -1,8 +1,11 @@
 """Imports point down: no cycle between kvprobe modules, nor between its rooms (sub-packages).
 
 Read with ``ast`` over every file under src/kvprobe, function-local imports included (a local
-import that dodges a cycle is still a cycle). ``from kvprobe.pkg import name`` counts as an import
-of the module ``kvprobe.pkg.name`` where that is a module, else of the package ``kvprobe.pkg``.
+import that dodges a cycle is still a cycle), and so are ``importlib.import_module("kvprobe...")``
+calls with a literal name (``kvprobe.__getattr__``'s lazy exports: ``kvprobe`` imports
+``kvprobe.api`` that way, so a module that imports ``kvprobe`` itself closes a loop through the
+API). ``from kvprobe.pkg import name`` counts as an import of the module ``kvprobe.pkg.name`` where
+that is a module, else of the package ``kvprobe.pkg``.
 """
 
 from __future__ import annotations
@@ -15,22 +18,36 @@ import kvprobe
 SRC = Path(kvprobe.__file__).parent
 
 
-def module_graph() -> dict[str, set[str]]:
+def _import_module_target(node: ast.AST) -> str | None:
+    """The module named by ``importlib.import_module("...")`` or ``import_module("...")`` with a
+    string literal (a lazy export, as ``kvprobe.__getattr__`` makes), else None."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)):
+        return None
+    func = node.func
+    named = (isinstance(func, ast.Attribute) and func.attr == "import_module"
+             and isinstance(func.value, ast.Name) and func.value.id == "importlib")
+    return node.args[0].value if named or (isinstance(func, ast.Name) and func.id == "import_module") else None
+
+
+def module_graph(src: Path = SRC, package: str = "kvprobe") -> dict[str, set[str]]:
     modules = {}
-    for path in SRC.rglob("*.py"):
-        parts = ("kvprobe", *path.relative_to(SRC).with_suffix("").parts)
+    for path in src.rglob("*.py"):
+        parts = (package, *path.relative_to(src).with_suffix("").parts)
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         modules[name] = path
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("kvprobe"):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith(package):
                 for alias in node.names:
                     full = f"{node.module}.{alias.name}"
                     deps.add(full if full in modules else node.module)
             elif isinstance(node, ast.Import):
-                deps |= {a.name for a in node.names if a.name.startswith("kvprobe")}
+                deps |= {a.name for a in node.names if a.name.startswith(package)}
+            elif (target := _import_module_target(node)) and target.startswith(package):
+                deps.add(target)
         graph[name] = {d for d in deps if d in modules and d != name}
     return graph
 
@@ -89,3 +106,28 @@ def test_no_cycle_between_rooms():
 def test_the_checker_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
+
+
+def test_the_graph_sees_a_planted_importlib_cycle(tmp_path):
+    """A package whose __init__ exports lazily through importlib, and a module below it that imports
+    the package: the loop kvprobe.results once closed (results -> kvprobe -> api -> ... -> results),
+    which the graph missed while it read only import statements."""
+    pkg = tmp_path / "planted"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text('def __getattr__(name):\n    import importlib\n\n'
+                                     '    return getattr(importlib.import_module("planted.api"), name)\n')
+    (pkg / "api.py").write_text("from planted import results\n")
+    (pkg / "results.py").write_text("def write():\n    from planted import __version__\n")
+    (pkg / "other.py").write_text('from importlib import import_module\n\nimport_module("planted.api")\n')
+    graph = module_graph(pkg, "planted")
+    assert graph == {"planted": {"planted.api"}, "planted.api": {"planted.results"},
+                     "planted.results": {"planted"}, "planted.other": {"planted.api"}}
+    assert cycles(graph) == [["planted", "planted.api", "planted.results"]]
+
+
+def test_kvprobes_version_is_its_installed_metadatas():
+    """results writes the installed metadata's version into every table (not kvprobe.__version__,
+    which would import the package and its lazy API from below): the two must not drift."""
+    from kvprobe.results import installed_version
+
+    assert installed_version("kvprobe") == kvprobe.__version__
