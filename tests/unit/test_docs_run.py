@@ -43,6 +43,7 @@ from pathlib import Path
 
 import pytest
 
+from kvprobe.hardware import native_bf16
 from tests import cli_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,9 +166,17 @@ CLUSTER = "a Ray cluster of several machines: tests/distributed/test_ray.py runs
 SLURM = "a Slurm job on GPU nodes"
 VLLM = "needs vLLM's CPU build (3.4 GB, `kvprobe serve setup`) and a server: tests/serving/test_vllm.py runs it"
 CALIBRATE_REAL = ("calibrating the 1.5B takes 10-20 min; toy-qwen2's tokenizer does not cover the template (26 of 104 "
-                  "tokens [UNK], refused), so smollm2-135m with 2 pairs a field: the whole loop runs and ends in "
-                  "'no verdict' (exit 1); a verdict takes about 80 pairs")
+                  "tokens [UNK], refused), so smollm2-135m with 2 pairs a field (bfloat16 where the CPU computes it "
+                  "natively, else float32): the whole loop runs and ends in 'no verdict' (exit 1); a verdict takes "
+                  "about 80 pairs")
 NO_VERDICT = "no verdict within 2 pairs"
+# The calibrate blocks load the 1.5B in bfloat16, the fast dtype where the CPU computes it natively. Swapped
+# to smollm2-135m they keep it there; on a CPU without native bfloat16 (a Zen 1 or Zen 3) they run in float32,
+# as a user of that CPU would: torch emulates bfloat16 there, and the three blocks took 4.5, 3.9 and 2.0 times
+# their native time under torch's AVX2 kernels (docs/testing.md), time that tests torch's emulation, not the
+# command. A bfloat16 load and decision is checked on every CPU by tests/models/test_devices.py, bfloat16 keys'
+# rotation by tests/kv/test_rope.py.
+CALIBRATE_DTYPE = {"--dtype": "bfloat16" if native_bf16() else "float32"}
 
 # Keyed by the command as :func:`commands` writes it. A kvprobe command not here runs as written.
 PLAN: dict[str, Run | Swap | Parse] = {
@@ -194,7 +203,8 @@ PLAN: dict[str, Run | Swap | Parse] = {
     "kvprobe diagnose examples/loan.txt --model qwen2.5-1.5b --field tier --value tier=gold --new silver "
     "--question \"Is the loan issued?\" --options yes,no": Swap("the 1.5B (9 GB)", model="toy-qwen2"),
     "kvprobe calibrate examples/calibrate-refund.yaml --model qwen2.5-1.5b --dtype bfloat16":
-        Swap(CALIBRATE_REAL, model="smollm2-135m", set={"--max-pairs": "2"}, code=1, expect=NO_VERDICT),
+        Swap(CALIBRATE_REAL, model="smollm2-135m", set={"--max-pairs": "2", **CALIBRATE_DTYPE}, code=1,
+             expect=NO_VERDICT),
     "kvprobe edit --model toy-qwen2 --n 40 --cot 0,32 --strategies "
     "stale,field_only,selective:8:attention,cacheblend:0.15,erratum,field_erratum,hoist,oracle":
         Swap("40 cases x 2 CoT settings: 35 s", set={"--n": "8"}),
@@ -267,8 +277,8 @@ PLAN: dict[str, Run | Swap | Parse] = {
     "--out results/agent-qwen2.5-1.5b": Parse(VLLM),
     "kvprobe calibrate examples/agent-refund.yaml --model qwen2.5-1.5b --dtype bfloat16 --max-pairs 100 "
     "--out results/calibrate/agent-refund":
-        Swap(CALIBRATE_REAL.replace("26 of 104", "many"), model="smollm2-135m", set={"--max-pairs": "2"}, code=1,
-             expect=NO_VERDICT),
+        Swap(CALIBRATE_REAL.replace("26 of 104", "many"), model="smollm2-135m",
+             set={"--max-pairs": "2", **CALIBRATE_DTYPE}, code=1, expect=NO_VERDICT),
     "kvprobe serve-bench --workload agent --model qwen2.5-1.5b --spec examples/agent-refund.yaml "
     "--field-policy examples/policies/qwen2.5-1.5b-agent-refund.yaml --sessions 10 --turns 4 --rates 0.2,inf":
         Parse(VLLM),
