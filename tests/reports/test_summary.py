@@ -155,6 +155,9 @@ def test_compare_refusals_are_one_line(variant, tmp_path):
     one_line_error(kvprobe("compare", str(folder), "--json", str(tmp_path / "x.csv")), "give a path ending in .json")
     proc = kvprobe("compare", str(folder), "--json")  # stdout: the JSON alone; the tables go to stderr
     assert proc.returncode == 0 and json.loads(proc.stdout)["runs"][0]["model"] and "the answer" in proc.stderr
+    to_file = kvprobe("compare", str(folder), "--json", str(tmp_path / "c.json"))
+    assert to_file.returncode == 0 and "wrote " in to_file.stdout
+    assert (tmp_path / "c.json").read_text() == proc.stdout  # one JSON text, whichever the destination
 
 
 KEPT = Path(__file__).resolve().parents[2] / "docs" / "summaries"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
@@ -56,9 +55,6 @@ def compare(results_dirs: list[Path] = typer.Argument(..., help="`kvprobe run` r
     console.print(table)
     if csv_out:
         console.print(f"wrote {C.write_text(csv_out, C.to_csv(sums))}")
-    if json_out == "-":
-        emit_json(C.to_json(sums), json_out)
-    elif json_out:
-        console.print(f"wrote {C.write_text(Path(json_out), json.dumps(C.to_json(sums), indent=1) + chr(10))}")
+    emit_json(C.to_json(sums), json_out)  # the same text on stdout (-) as in a file
     if html_out:
         console.print(f"wrote {C.write_text(html_out, C.render_compare_html(sums))}")
