@@ -7,8 +7,9 @@ making those copies than multiplying. :func:`grouped_eager` computes the same th
 scaling, optional softcap, additive mask, float32 softmax, the attention weights returned) with
 each key/value head multiplied against its query heads as one group, so nothing is copied.
 Without autograd (every read and evaluation) the scaling, softcap and mask are applied in place:
-the same operations on the same values, the same bits, and about a fifth less time for a toy's
-held-out evaluation on a Zen 4 (toy-gemma2 23.6 s against 18.0 s on one thread).
+the same operations on the same values, the same bits. That saves most where there is a softcap
+(benchmarks/toy_eval.py, one thread on a Zen 4, alternating runs: toy-gemma2's held-out evaluation
+18.4 s against 21.2 s, 1.15x; toy-qwen2's, without softcap, 14.4 s against 14.6 s, within noise).
 
 Registered with transformers as :data:`NAME`; a model loaded with ``attn="eager"`` runs on it
 (:func:`use_grouped`). Its results equal the stock eager attention's to float rounding.

@@ -1,0 +1,76 @@
+"""A shipped toy's held-out evaluation (what tests/toy/test_toy.py reruns for each toy), with
+kvprobe's grouped eager attention as it is (scaling, softcap and mask applied in place when there is
+no autograd) against the same attention with each step allocating a new tensor (its form before).
+
+    .venv/bin/python benchmarks/toy_eval.py --family gemma2 --repeat 2
+
+One torch thread (as each test worker). The arms alternate on the same loaded model and the same
+prompts; their figures must be identical (the same operations on the same values). Prints the CPU,
+each arm's wall times and the median ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import AttentionInterface
+
+from kvprobe.hardware import cpu_line
+from kvprobe.models import attention, load_model, toy_folder
+from kvprobe.toys import evaluate as toy_eval
+
+
+def allocating(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
+    """grouped_eager with a new (B, H, S, N) tensor at each step: its form before the in-place path."""
+    B, H, S, d = query.shape
+    H_kv, N = key.shape[1], key.shape[2]
+    if scaling is None:
+        scaling = module.head_dim**-0.5
+    weights = torch.matmul(query.reshape(B, H_kv, (H // H_kv) * S, d), key.transpose(2, 3)) * scaling
+    weights = weights.view(B, H, S, N)
+    if softcap is not None:
+        weights = torch.tanh(weights / softcap) * softcap
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = torch.nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
+    out = torch.matmul(weights.view(B, H_kv, (H // H_kv) * S, N), value).view(B, H, S, value.shape[-1])
+    return out.transpose(1, 2).contiguous(), weights
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--family", default="gemma2", choices=toy_folder.toy_families())
+    ap.add_argument("--repeat", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    print(cpu_line(), flush=True)
+    lm = load_model(f"toy-{args.family}")
+    h = toy_folder.read_manifest(toy_folder.shipped_dir(args.family))["heldout"]
+    arms = {"in place": attention.grouped_eager, "allocating": allocating}
+    times: dict[str, list[float]] = {a: [] for a in arms}
+    figures: dict[str, dict] = {}
+    try:
+        for r in range(args.repeat):
+            for arm, fn in arms.items():
+                AttentionInterface.register(attention.NAME, fn)
+                t0 = time.perf_counter()
+                figures[arm] = toy_eval.evaluate_toy(lm, n=h["n"], n_unseen=max(20, h["n"] // 4),
+                                                     fillers=tuple(h["fillers"]))
+                times[arm].append(time.perf_counter() - t0)
+                print(f"{arm}, run {r + 1}: {times[arm][-1]:.1f} s", flush=True)
+    finally:
+        AttentionInterface.register(attention.NAME, attention.grouped_eager)
+    same = figures["in place"] == figures["allocating"]
+    print(f"\ntoy-{args.family}: n={args.repeat} runs per arm, alternating, {h['n']} held-out cases")
+    for arm, ts in times.items():
+        print(f"  {arm:12s} median {statistics.median(ts):6.1f} s  ({', '.join(f'{t:.1f}' for t in ts)})")
+    ratio = statistics.median(times["allocating"]) / statistics.median(times["in place"])
+    print(f"  in place is {ratio:.2f}x faster; the figures are {'identical' if same else 'DIFFERENT'}")
+
+
+if __name__ == "__main__":
+    main()
