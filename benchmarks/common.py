@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 
 from kvprobe.datasets import DOMAINS, align, generate
@@ -30,6 +31,14 @@ def timed(fn, repeat: int = 1):
         out = fn()
         best = min(best, time.perf_counter() - start)
     return out, best
+
+
+def report_arms(times: dict[str, list[float]], width: int) -> dict[str, float]:
+    """Print each arm's median wall time and its runs, one line an arm; returns the medians."""
+    medians = {arm: statistics.median(ts) for arm, ts in times.items()}
+    for arm, ts in times.items():
+        print(f"  {arm:{width}s} median {medians[arm]:6.1f} s  ({', '.join(f'{t:.1f}' for t in ts)})")
+    return medians
 
 
 def share(k: int, n: int) -> str:

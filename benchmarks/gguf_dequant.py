@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from common import report_arms
 from kvprobe.hardware import cpu_line
 from kvprobe.models import bundled
 
@@ -54,9 +54,8 @@ def main() -> None:
                 print(f"{arm}, run {r + 1}: {times[arm][-1]:.1f} s", flush=True)
     same = len({tuple(d.items()) for d in digests.values()}) == 1
     print(f"\n{args.model}: n={args.repeat} runs per arm, alternating")
-    for arm, ts in times.items():
-        print(f"  {arm:20s} median {statistics.median(ts):6.1f} s  ({', '.join(f'{t:.1f}' for t in ts)})")
-    ratio = statistics.median(times["parsed three times"]) / statistics.median(times["parsed once"])
+    medians = report_arms(times, 20)
+    ratio = medians["parsed three times"] / medians["parsed once"]
     print(f"  parsed once is {ratio:.2f}x faster; the two folders are {'identical' if same else 'DIFFERENT'}")
 
 

@@ -12,12 +12,12 @@ each arm's wall times and the median ratio.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 from transformers import AttentionInterface
 
+from common import report_arms
 from kvprobe.hardware import cpu_line
 from kvprobe.models import attention, load_model, toy_folder
 from kvprobe.toys import evaluate as toy_eval
@@ -66,9 +66,8 @@ def main() -> None:
         AttentionInterface.register(attention.NAME, attention.grouped_eager)
     same = figures["in place"] == figures["allocating"]
     print(f"\ntoy-{args.family}: n={args.repeat} runs per arm, alternating, {h['n']} held-out cases")
-    for arm, ts in times.items():
-        print(f"  {arm:12s} median {statistics.median(ts):6.1f} s  ({', '.join(f'{t:.1f}' for t in ts)})")
-    ratio = statistics.median(times["allocating"]) / statistics.median(times["in place"])
+    medians = report_arms(times, 12)
+    ratio = medians["allocating"] / medians["in place"]
     print(f"  in place is {ratio:.2f}x faster; the figures are {'identical' if same else 'DIFFERENT'}")
 
 
