@@ -18,15 +18,23 @@ FIX = "set KVPROBE_HOME to a folder you can write, or unset it (default ~/.cache
 
 def home() -> Path:
     """The kvprobe cache root; created on first use. An empty ``KVPROBE_HOME`` is unset (as an empty
-    ``XDG_CACHE_HOME`` is), not the working directory."""
+    ``XDG_CACHE_HOME`` is), not the working directory. A symbolic link on the way whose target does not
+    exist yet (``~/.cache`` linked to a cache disk's folder, say) has its target created, where a plain
+    ``mkdir`` would fail with "File exists"."""
     value = os.environ.get("KVPROBE_HOME", "")
     root = Path(value if value.strip() else Path.home() / ".cache" / "kvprobe").expanduser()
-    if root.exists() and not root.is_dir():
+    try:  # a link on the way (the home, or ~/.cache, linked to a cache disk) names where to create it
+        target = root.resolve()
+    except (OSError, RuntimeError) as exc:  # a link that loops: 3.11 raises RuntimeError, 3.13 OSError
+        raise EnvironmentProblem(f"KVPROBE_HOME {root} cannot be created ({exc}); {FIX}") from None
+    if target.exists() and not target.is_dir():
         raise EnvironmentProblem(f"KVPROBE_HOME {root} is a file; {FIX}")
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        target.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise EnvironmentProblem(f"KVPROBE_HOME {root} cannot be created ({exc.strerror or exc}); {FIX}") from None
+        where = "" if target == root.absolute() else f" (a link to {target})"
+        raise EnvironmentProblem(f"KVPROBE_HOME {root}{where} cannot be created ({exc.strerror or exc}); "
+                                 f"{FIX}") from None
     return root
 
 
