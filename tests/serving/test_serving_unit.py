@@ -320,16 +320,43 @@ def test_the_server_command_and_environment(home, monkeypatch, tmp_path, eager):
     assert no_bytecode is None
 
 
-def test_setup_installs_without_compiling_bytecode(tmp_path, monkeypatch):
+def test_setup_installs_with_uv_without_bytecode_and_with_pips_indexes(tmp_path, monkeypatch):
+    """uv installs (no bytecode: it compiles none unless asked), told pip's indexes, find-links and
+    constraints, choosing among indexes as pip does; its cache lies in KVPROBE_HOME."""
     from kvprobe.serving import env
 
+    monkeypatch.setenv("KVPROBE_HOME", str(tmp_path / "home"))
     ran = []
-    monkeypatch.setattr(env, "_run", lambda cmd, log, what, progress: ran.append(cmd))
+    monkeypatch.setattr(env, "_run", lambda cmd, log, what, progress, extra_env=None: ran.append((cmd, extra_env)))
+    monkeypatch.setattr(env, "_pip_config", lambda: "global.find-links='/opt/wheels'\n:env:.cert='/c.pem'\n")
     monkeypatch.setattr(env.subprocess, "run", lambda *a, **k: types.SimpleNamespace(returncode=0, stdout="0.32.0+cpu"))
     env.setup(tmp_path / "venv")
-    install = next(cmd for cmd in ran if "install" in cmd)
-    assert install[-3:] == ["install", "--no-compile", env.VLLM_SPEC]
+    install, variables = next((cmd, e) for cmd, e in ran if "install" in cmd)
+    assert install[1:5] == ["pip", "install", "--python", str(tmp_path / "venv" / "bin" / "python")]
+    assert install[-1] == env.VLLM_SPEC and not any("compile" in part for part in install)
+    line = " ".join(install)
+    assert " --index-strategy unsafe-best-match " in line and " --find-links /opt/wheels " in line
+    assert " --cache-dir " + str(tmp_path / "home" / env.UV_CACHE) + " " in line
+    assert variables == {"SSL_CERT_FILE": "/c.pem"}
     assert (tmp_path / "venv" / env.READY_MARKER).exists()
+
+
+def test_pips_settings_become_uvs_flags_each_from_where_pip_reads_it():
+    from kvprobe.serving.env import pip_settings
+
+    listed = "\n".join([":env:.find-links='/opt/wheels'", ":env:.default-timeout='180'",
+                        "global.find-links='/elsewhere'", "global.cert='/etc/ssl/certs/ca.crt'",
+                        "global.extra-index-url='file:///a/simple file:///b/simple'",
+                        "global.index-url='https://mirror/simple'", "install.index-url='https://inner/simple'",
+                        "global.constraint='/etc/xdg/pip/constraints.txt'", "global.no-cache-dir='true'",
+                        "user.find-links='/never'", "not a setting"])
+    flags, variables = pip_settings(listed)
+    assert flags == ["--index-url", "https://inner/simple", "--extra-index-url", "file:///a/simple",
+                     "--extra-index-url", "file:///b/simple", "--find-links", "/opt/wheels",
+                     "--constraint", "/etc/xdg/pip/constraints.txt"]
+    assert variables == {"SSL_CERT_FILE": "/etc/ssl/certs/ca.crt", "UV_HTTP_TIMEOUT": "180"}
+    assert pip_settings("") == ([], {})
+    assert pip_settings("global.no-index='true'") == (["--no-index"], {})
 
 
 def test_unhealthy_start_times_out_and_leaves_nothing(home, monkeypatch, tmp_path):
