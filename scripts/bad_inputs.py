@@ -223,6 +223,7 @@ def prepare(s: Path, say) -> None:
     (s / "cfg-list.yaml").write_text("- model\n- n\n")
     (s / "cfg-scalar.yaml").write_text("toy-qwen2\n")
     (s / "cfg-unknown.yaml").write_text("model: toy-qwen2\nbogus: 1\n")
+    (s / "cfg-threshold.yaml").write_text("model: toy-qwen2\nthreshold: 0.3\n")  # issue 51: one range, [0.5, 1)
     (s / "cfg-bad-strategy.yaml").write_text("model: toy-qwen2\nn: 2\nstrategies: [stale, telepathy]\n")
     (s / "cfg-folder").mkdir()
     # output places that cannot be used
@@ -370,6 +371,7 @@ def _prepare_schemas(s: Path) -> None:
 
     good = (s / "run" / "topk.yaml").read_text()
     edits = {"threshold-neg": ("threshold", -1), "threshold-nan": ("threshold", float("nan")),
+             "threshold-low": ("threshold", 0.3),
              "agreement-5": ("strategies", 0, "agreement", 5.0), "n-neg": ("strategies", 0, "n", -7),
              "k-star-eight": ("k_star", "eight"), "rule-string": ("ranking_rule", "causal"),
              "training-ten": ("ranking_rule", "n_training_cases", "ten"),
@@ -440,6 +442,8 @@ def inputs(s: Path) -> list[Bad]:
         Bad(["run", "--model", "toy-qwen2", "--n", "2", "--out", "a-file.txt"], "run --out a file", 2),
         Bad(["run", "--model", "toy-qwen2", "--n", "2", "--out", ro], ro_what, 2),
         Bad(["run", "--model", "toy-qwen2", "--threshold", "1.5"], "run --threshold above 1", 2),
+        Bad(["run", "--model", "toy-qwen2", "--threshold", "0.3"], "run --threshold 0.3 (below the range)", 2,
+            quote="--threshold must be a number in [0.5, 1)"),
         Bad(["run", "--model", "toy-qwen2", "--budget", "0"], "run --budget 0 (a sized run checks no case)", 2),
         Bad(["validate", *tiny, "--n", "2", "--out", "a-file.txt"], "validate --out a file", 2),
         Bad(["report", "run", "--out", "existing-folder"], "report --out an existing folder", 2),
@@ -490,6 +494,8 @@ def inputs(s: Path) -> list[Bad]:
         Bad(["run", "--config", "cfg-scalar.yaml", "--out", "r-cfg"], "YAML config that is a scalar", 3),
         Bad(["run", "--config", "nope.yaml", "--out", "r-cfg"], "missing config file", 3),
         Bad(["run", "--config", "cfg-unknown.yaml", "--out", "r-cfg"], "unknown key in config", 3, quote="bogus"),
+        Bad(["run", "--config", "cfg-threshold.yaml", "--out", "r-cfg"], "config threshold 0.3 (below the range)", 3,
+            quote="threshold is 0.3; accepted: a number in [0.5, 1)"),
         Bad(["run", "--config", "cfg-bad-strategy.yaml", "--out", "r-cfg"], "unknown strategy in config", 3,
             quote="telepathy"),
         Bad(["run", "--config", "cfg-folder", "--out", "r-cfg"], "--config a folder", 3),
@@ -499,6 +505,7 @@ def inputs(s: Path) -> list[Bad]:
           for name, what, quote in (
               ("threshold-neg", "threshold -1 (auto chose cacheblend:0.15, agreement 0.00)", "threshold is -1"),
               ("threshold-nan", "threshold .nan", "threshold is nan"),
+              ("threshold-low", "threshold 0.3 (below the range)", "threshold is 0.3; accepted: a number in [0.5, 1)"),
               ("n-neg", "a strategy's n -7", "n is -7"),
               ("k-star-eight", 'k_star "eight"', "k_star is 'eight'"),
               ("rule-string", "ranking_rule a string", "ranking_rule is 'causal'"),
@@ -557,6 +564,8 @@ def inputs(s: Path) -> list[Bad]:
         Bad(["report", "no-such-folder", "--out", "r5.html"], "report: missing folder", 3),
         Bad(["export-topk", "not-results", "--out", "topk2.yaml"], "export-topk: not a results folder", 3),
         Bad(["export-topk", "run", "--threshold", "7", "--out", "topk3.yaml"], "export-topk --threshold 7", 2),
+        Bad(["export-topk", "run", "--threshold", "0.3", "--out", "topk4.yaml"], "export-topk --threshold 0.3 (below "
+            "the range)", 2, quote="--threshold must be a number in [0.5, 1)"),
         # options
         Bad(["run", "--model", "toy-qwen2", "--cot", "a,b", "--out", "r-opt"], "run --cot a,b", 2),
         Bad(["run", "--model", "toy-qwen2", "--cot", "-1", "--out", "r-opt"], "run --cot -1", 2),

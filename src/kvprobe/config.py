@@ -17,6 +17,7 @@ from kvprobe.editor.rankings import RANKINGS
 from kvprobe.editor.strategies import Strategy, parse_strategy
 from kvprobe.errors import KvprobeError
 from kvprobe.probes import STAGES
+from kvprobe.schema import Threshold
 
 ALL_PROBES = tuple(STAGES)  # every registered probe, in registration order
 
@@ -30,7 +31,7 @@ class RunConfig(BaseModel):
     dataset: str = "default"
     n: int | None = Field(None, ge=1)  # None: sized by the repair rule (see sizing()), at most `budget` cases
     budget: int = Field(DEFAULT_BUDGET, ge=1)  # a sized run's most cases (generated, or read from the JSONL)
-    threshold: float = Field(DEFAULT_THRESHOLD, gt=0, lt=1)  # what the headline, K* and topk.yaml establish at
+    threshold: Threshold = DEFAULT_THRESHOLD  # what the headline, K* and topk.yaml establish at; in [0.5, 1)
     seed: int = 0
     form: str = DEFAULT_FORM
     few_shot: int = Field(0, ge=0)
@@ -165,7 +166,10 @@ class RunConfig(BaseModel):
             if err["loc"] and err["loc"][0] in overrides:  # a flag is at fault, not the file
                 raise UsageError.from_validation(exc, "run") from None
             hint = f"; accepted keys: {keys}" if err["type"] == "extra_forbidden" else ""
-            raise KvprobeError(f"{path}: {loc}: {err['msg']}{hint}") from None
+            msg = f"{loc}: " + str(err["msg"]).removeprefix("Value error, ")  # a validator's own message
+            if err["type"] == "value_error" and repr(err.get("input")) not in msg:  # it names what is accepted only
+                msg = f"{loc} is {err.get('input')!r}; accepted: " + msg.removeprefix(f"{loc}: ")
+            raise KvprobeError(f"{path}: {msg}{hint}") from None
         except KvprobeError as exc:  # a validator's own one-line error (a bad strategy spec)
             if "strategies" in overrides:
                 raise

@@ -5,6 +5,8 @@ DEFAULT_MODEL = "toy-qwen2"  # the bundled default: ships in the package, decide
 DEFAULT_N = 40  # kvprobe edit and datasets check; kvprobe run sizes itself (RunConfig.sizing)
 DEFAULT_BUDGET = 600  # a sized run's most cases
 DEFAULT_THRESHOLD = 0.95  # what a run's repair, K* and topk.yaml are established at
+MIN_THRESHOLD = 0.5  # below it a repair that disagrees with the oracle more often than not could be "established"
+THRESHOLD_RANGE = f"a number in [{MIN_THRESHOLD:g}, 1)"  # every repair threshold: options, configs, policy files
 DEFAULT_MIN_FLIP = 1.0  # logits: a case whose oracle flip is smaller gets no recovery ratio
 FORMS = ("auto", "chat", "raw")  # how a case becomes a prompt (see kvprobe.datasets.render)
 DEFAULT_FORM = "auto"  # chat where the tokenizer has a template, else raw
@@ -21,6 +23,16 @@ SWEEP_FILLER_TOKENS = (0, 100, 300)
 SWEEP_STRATEGIES = ("stale", "field_only", "erratum", "erratum_turn", "field_erratum", "field_erratum_turn",
                     "cacheblend:0.15", "oracle")
 LAYOUT_NAMES = ("record", "lines", "prose", "json", "yaml", "chat_history", "tool_spec")  # datasets.layouts.LAYOUTS
+
+
+def is_threshold(value) -> bool:
+    """Whether ``value`` is a repair threshold (:data:`THRESHOLD_RANGE`): the lower bound of a repair's
+    agreement with the oracle that establishes it, for ``kvprobe run``, ``export-topk``, ``compare``,
+    ``calibrate`` and ``memory``, a run config, a topk.yaml and a field_policy.yaml alike."""
+    import math
+
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and MIN_THRESHOLD <= value < 1)
 
 
 def checked_form(form: str) -> str:

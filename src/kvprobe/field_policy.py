@@ -142,8 +142,8 @@ def verify(data, path, parse) -> FieldPolicy:
 
 def _verify(data, path: Path, parse) -> FieldPolicy:
     from kvprobe.results import MODEL_KEYS
-    from kvprobe.stopping.rule import (DEGENERATE_SHARE, MIN_DRAWN, MIN_THRESHOLD, FieldResult, decide, is_candidate,
-                                       relevance)
+    from kvprobe.defaults import THRESHOLD_RANGE, is_threshold
+    from kvprobe.stopping.rule import DEGENERATE_SHARE, MIN_DRAWN, FieldResult, decide, is_candidate, relevance
     from kvprobe.stopping.sequence import ALPHA_LOWER, ALPHA_UPPER, Sequence
 
     def bad(where: str, what: str):
@@ -176,8 +176,8 @@ def _verify(data, path: Path, parse) -> FieldPolicy:
     if not isinstance(model, dict) or not all(isinstance(model.get(k), str) for k in ("spec", *MODEL_KEYS)):
         bad("model", f"must hold spec, {', '.join(MODEL_KEYS)}")
     thr = data["threshold"]
-    if not number(thr) or not MIN_THRESHOLD <= thr < 1:
-        bad("threshold", f"is {thr!r}, accepted: a number in [{MIN_THRESHOLD:g}, 1)")
+    if not is_threshold(thr):
+        bad("threshold", f"is {thr!r}, accepted: {THRESHOLD_RANGE}")
     for key, want in (("alpha_lower", ALPHA_LOWER), ("alpha_upper", ALPHA_UPPER)):
         if not number(data[key]) or abs(data[key] - want) > 1e-12:
             bad(key, f"is {data[key]!r}; this kvprobe's bounds spend {want:g} (a policy with other error levels is "

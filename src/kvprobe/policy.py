@@ -27,8 +27,8 @@ from pydantic import model_validator
 
 from kvprobe import repair_rule
 from kvprobe.errors import KvprobeError
-from kvprobe.schema import (CI, Count, File, Finite, Number, Seconds, Share, ShareOrNaN, Text, check_version,
-                            validate)
+from kvprobe.schema import (CI, Count, File, Finite, Number, Seconds, Share, ShareOrNaN, Text, Threshold,
+                            check_version, validate)
 
 if TYPE_CHECKING:
     from kvprobe.datasets import AlignedCase
@@ -252,7 +252,7 @@ class TopkFile(File):
 
     schema_version: Literal[2, 3, 4]
     model: ModelEntry
-    threshold: Share
+    threshold: Threshold
     judged_on: str | None = None
     ranking_rule: RuleEntry | None = None
     recompute: dict[str, str] | None = None
@@ -283,7 +283,7 @@ def load(path: Path | str, lm) -> Policy:
     Refused, in one line (:class:`~kvprobe.errors.KvprobeError`): a missing file, a file that is
     not YAML, one that is not a topk.yaml of this schema version (``kvprobe export-topk`` rewrites
     it; a newer version was written by a newer kvprobe), one whose values do not fit
-    :class:`TopkFile` (a threshold or agreement outside [0, 1] or NaN, a negative or fractional
+    :class:`TopkFile` (a threshold outside [0.5, 1), an agreement outside [0, 1], NaN, a negative or fractional
     count, a ``k_star`` that is not a whole number, a ``ranking_rule`` that is not a mapping, ...),
     and one exported for another model. The model is compared by its config, weights and
     tokenizer hashes (``lm.fingerprint()``), not by its spec, so a model loaded from another path

@@ -3,8 +3,8 @@
 A file kvprobe reads (a ``topk.yaml``, a family YAML, a manifest) is checked against a pydantic
 model (``extra="forbid"``) built from the types here before any of it is used. A file that does
 not fit is a :class:`~kvprobe.errors.KvprobeError` (exit 3) naming the file, the field and what is
-accepted, e.g. ``topk.yaml is not a valid topk.yaml: threshold is -1; accepted: a number from 0
-to 1``. The types refuse what YAML or JSON would let through: NaN and infinities, ``true`` for a
+accepted, e.g. ``topk.yaml is not a valid topk.yaml: threshold is -1; accepted: a number in [0.5,
+1)``. The types refuse what YAML or JSON would let through: NaN and infinities, ``true`` for a
 count, ``"ten"`` or ``5.0`` for a count, a string where a mapping belongs.
 """
 
@@ -15,10 +15,11 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, PlainValidator, ValidationError
 
+from kvprobe.defaults import THRESHOLD_RANGE, is_threshold
 from kvprobe.errors import KvprobeError
 
-__all__ = ["CI", "Count", "File", "Finite", "Number", "Seconds", "Share", "ShareOrNaN", "Text", "check_version",
-           "describe", "validate"]
+__all__ = ["CI", "Count", "File", "Finite", "Number", "Seconds", "Share", "ShareOrNaN", "Text", "Threshold",
+           "check_version", "describe", "validate"]
 
 
 def _is_number(v: Any) -> bool:
@@ -28,6 +29,12 @@ def _is_number(v: Any) -> bool:
 def _share(v: Any) -> float:
     if not _is_number(v) or not 0 <= v <= 1:  # NaN fails both comparisons
         raise ValueError("a number from 0 to 1")
+    return float(v)
+
+
+def _threshold(v: Any) -> float:
+    if not is_threshold(v):
+        raise ValueError(THRESHOLD_RANGE)
     return float(v)
 
 
@@ -75,6 +82,7 @@ def _ci(v: Any) -> tuple[float, float]:
 
 
 Share = Annotated[float, PlainValidator(_share)]  # a proportion: finite, in [0, 1]
+Threshold = Annotated[float, PlainValidator(_threshold)]  # a repair threshold: in [0.5, 1) (kvprobe.defaults)
 Count = Annotated[int, PlainValidator(_count)]  # a whole number >= 0 (not a bool, not 5.0)
 Seconds = Annotated[float, PlainValidator(_seconds)]  # finite, >= 0
 Finite = Annotated[float, PlainValidator(_finite)]  # any finite number

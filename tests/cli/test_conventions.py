@@ -13,8 +13,12 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from tests import cli_process
+from tests.cli.test_errors import one_line_error
+
+ROOT = Path(__file__).resolve().parents[2]
 
 CLI = [sys.executable, "-c", "from kvprobe.cli.app import main; main()"]
 
@@ -265,6 +269,51 @@ def test_output_off_a_terminal_is_never_cut(tmp_path):
     assert "``" not in proc.stdout and ":data:`" not in proc.stdout and ":meth:`" not in proc.stdout  # no Sphinx
     assert f"default: {','.join(DEFAULT_STRATEGIES)}" in proc.stdout
     assert max(len(line) for line in proc.stdout.splitlines()) > 200  # unwrapped: wider than the old fixed 170
+
+
+def test_the_repair_threshold_has_one_default_and_one_range_everywhere(tmp_path):
+    """Issue 51: every command that establishes a repair (run, export-topk, compare, calibrate, memory)
+    takes --threshold through one option (default DEFAULT_THRESHOLD, range [0.5, 1)), and a run
+    config, a topk.yaml, a field_policy.yaml and the library's export_topk accept the same range. The
+    composition gate's --threshold (validate) is another quantity, with its own default."""
+    from typer.main import get_command
+
+    from kvprobe.cli import options as opt
+    from kvprobe.cli.app import app
+    from kvprobe.config import RunConfig
+    from kvprobe.defaults import DEFAULT_THRESHOLD, GATE_THRESHOLD, THRESHOLD_RANGE, is_threshold
+    from kvprobe.editor.topk import export_topk
+    from kvprobe.errors import KvprobeError, UsageError
+
+    having = {name: p for name, cmd in get_command(app).commands.items() for p in cmd.params
+              if p.name == "threshold"}
+    assert set(having) == {"run", "export-topk", "compare", "calibrate", "memory", "validate"}
+    gate = having.pop("validate")
+    assert gate.default == GATE_THRESHOLD and gate.callback is None
+    for name, p in having.items():
+        assert getattr(p.callback, "__wrapped__", None) is opt.threshold_option, name
+        assert p.default == (None if name == "compare" else DEFAULT_THRESHOLD), name
+    assert THRESHOLD_RANGE == "a number in [0.5, 1)"
+    assert [is_threshold(x) for x in (0.5, 0.95, 0.999, 0.49, 1, 1.5, -1, float("nan"), True, "0.9")] == \
+        [True, True, True, False, False, False, False, False, False, False]
+    for value in (0.3, 1.0):
+        with pytest.raises(KvprobeError, match=rf"threshold is {value}; accepted: a number in \[0.5, 1\)"):
+            RunConfig.from_yaml(_yaml(tmp_path, f"threshold: {value}\n"))
+        with pytest.raises(UsageError, match=r"threshold must be a number in \[0.5, 1\)"):
+            export_topk(tmp_path, threshold=value)
+    assert RunConfig.from_yaml(_yaml(tmp_path, "threshold: 0.5\n")).threshold == 0.5
+    for args in (["run", "--threshold", "0.3"], ["export-topk", str(tmp_path), "--threshold", "1"],
+                 ["compare", str(tmp_path), "--threshold", "0.49"], ["memory", "--threshold", "1"],
+                 ["calibrate", "examples/calibrate-toy.yaml", "--threshold", "0.3"]):
+        proc = kvprobe(*args, cwd=ROOT)
+        one_line_error(proc, "--threshold must be a number in [0.5, 1)")
+        assert proc.returncode == 2, (args, proc.stderr)
+
+
+def _yaml(folder, text: str):
+    path = folder / "cfg.yaml"
+    path.write_text(text)
+    return path
 
 
 def test_json_is_one_option_on_every_command_that_has_it(tmp_path):

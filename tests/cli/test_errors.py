@@ -126,10 +126,13 @@ def test_a_repeated_diagnose_value_is_refused(tmp_path):
     assert proc.returncode == 2
 
 
-@pytest.mark.parametrize("command", ["export-topk", "compare"])
-def test_a_nan_threshold_is_not_a_number_in_its_range(tmp_path, command):
-    proc = kvprobe(command, tmp_path, "--threshold", "nan")
-    one_line_error(proc, "--threshold 'nan' is not a number (NaN); give a number in [0, 1]")
+@pytest.mark.parametrize(("command", "accepted"), [("export-topk", "a number in [0.5, 1)"),
+                                                   ("compare", "a number in [0.5, 1)"),
+                                                   ("validate", "a number in [0, 1]")])  # the gate's, from min/max
+def test_a_nan_threshold_is_not_a_number_in_its_range(tmp_path, command, accepted):
+    args = [tmp_path] if command != "validate" else ["--model", "toy-qwen2"]
+    proc = kvprobe(command, *args, "--threshold", "nan")
+    one_line_error(proc, f"--threshold 'nan' is not a number (NaN); give {accepted}")
     assert proc.returncode == 2
 
 

@@ -303,8 +303,10 @@ def _set(*keys, value):
 
 
 BAD_VALUES = {  # a change -> what the one-line refusal must say
-    "threshold -1": (_set("threshold", value=-1), "threshold is -1; accepted: a number from 0 to 1"),
-    "threshold NaN": (_set("threshold", value=float("nan")), "threshold is nan; accepted: a number from 0 to 1"),
+    "threshold -1": (_set("threshold", value=-1), "threshold is -1; accepted: a number in [0.5, 1)"),
+    "threshold NaN": (_set("threshold", value=float("nan")), "threshold is nan; accepted: a number in [0.5, 1)"),
+    "threshold 0.3": (_set("threshold", value=0.3), "threshold is 0.3; accepted: a number in [0.5, 1)"),
+    "threshold 1": (_set("threshold", value=1), "threshold is 1; accepted: a number in [0.5, 1)"),
     "agreement 5.0": (_set("strategies", 2, "agreement", value=5.0),
                       "strategies entry 3, agreement is 5.0; accepted: a number from 0 to 1"),
     "n -7": (_set("strategies", 0, "n", value=-7), "strategies entry 1, n is -7; accepted: a whole number, 0 or more"),
@@ -350,7 +352,7 @@ def test_a_negative_threshold_no_longer_lets_auto_choose_a_failed_strategy(lm, t
                  frac_recomputed=0.001)
     cfg["threshold"] = -1
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    refused(path, lm, "threshold is -1; accepted: a number from 0 to 1")
+    refused(path, lm, "threshold is -1; accepted: a number in [0.5, 1)")
     cfg["threshold"] = 0.95  # the same evidence under a valid threshold: cacheblend is not chosen
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     assert P.load(path, lm).cheapest(0.3).spec != "cacheblend:0.15"

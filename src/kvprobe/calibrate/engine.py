@@ -31,6 +31,7 @@ import yaml
 
 from kvprobe.calibrate.summary import policy_of, summarize
 from kvprobe.calibrate.values import ValueSet, parse_values
+from kvprobe.defaults import DEFAULT_THRESHOLD
 from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.executor import Context, Serial
 from kvprobe.stopping.rule import (DEGENERATE_SHARE, MIN_DRAWN, NOT_CANDIDATES, SAME_IDS, FieldResult,  # noqa: F401
@@ -250,7 +251,8 @@ class Calibration:
     wasted: int = 0  # pairs a parallel executor measured past a field's stopping point: dropped, parts kept
 
 
-def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CANDIDATES, threshold: float = 0.95,
+def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CANDIDATES,
+              threshold: float = DEFAULT_THRESHOLD,
               max_pairs: int = 200, seed: int = 0, form: str = "auto", parts=None,
               progress: Callable[[str, int, int], None] = lambda field, done, total: None,
               executor=None) -> Calibration:

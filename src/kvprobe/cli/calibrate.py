@@ -16,8 +16,7 @@ def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calib
               model: opt.Model = opt.DEFAULTS["model"],
               candidates: str = typer.Option("field_only,erratum_turn:neutral,erratum_turn",
                                              help="the repairs to measure, cheapest first (comma-separated specs)"),
-              threshold: float = typer.Option(0.95, help="a repair is established when the lower bound of its "
-                                                         "agreement with the oracle reaches this, in (0, 1)"),
+              threshold: opt.Threshold = opt.DEFAULTS["threshold"],
               max_pairs: int = typer.Option(200, min=1, help="oracle-checked pairs per field at most"),
               seed: opt.Seed = 0, form: opt.Form = opt.DEFAULTS["form"],
               dtype: opt.Dtype = "float32", device: opt.Device = "cpu", device_map: opt.DeviceMap = "none",
@@ -36,12 +35,10 @@ def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calib
     from kvprobe import field_policy
     from kvprobe.calibrate.engine import (CALIBRATION, MANIFEST, POLICY_FILE, SUMMARY, calibrate as run_calibration,
                                           load_spec)
-    from kvprobe.stopping.rule import check_threshold
     from kvprobe.editor.strategies import parse_strategy
     from kvprobe.errors import CheckFailed
     from kvprobe.results import CALIBRATE_CLAIM, ResultsFolder, atomic_write_parquet
 
-    check_threshold(threshold, "--threshold")
     specs = [parse_strategy(s).spec for s in opt.parse_csv(candidates)]
     cal_spec = load_spec(spec)
     out = usable_out(out or opt.default_out("calibrate", model))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -10,6 +11,7 @@ from rich.table import Table
 from kvprobe.cli import options as opt
 from kvprobe.cli.common import console as stdout_console
 from kvprobe.cli.common import emit_json, err_console
+from kvprobe.defaults import THRESHOLD_RANGE
 
 
 def compare(results_dirs: list[Path] = typer.Argument(..., help="`kvprobe run` results folders (models or runs)"),
@@ -18,9 +20,11 @@ def compare(results_dirs: list[Path] = typer.Argument(..., help="`kvprobe run` r
             json_out: opt.Json = None,
             html_out: Path | None = typer.Option(None, "--html", help="also write a self-contained comparison "
                                                                       "page here"),
-            threshold: float | None = typer.Option(None, min=0.0, max=1.0, show_default="each folder's topk.yaml, "
-                                                   "else 0.95", help="agreement whose Wilson 95% lower bound a "
-                                                                     "recommended repair and K* must reach")) -> None:
+            threshold: Annotated[float | None, typer.Option(
+                callback=opt.threshold_option,
+                show_default=f"each folder's topk.yaml, else {opt.DEFAULTS['threshold']}",
+                help=f"agreement whose Wilson 95% lower bound a recommended repair and K* must reach; "
+                     f"{THRESHOLD_RANGE}")] = None) -> None:
     """Compare results folders in one table: where the decision lives, the repair to use, K*, the
     composition gate and valid cases per folder, then every strategy's agreement side by side.
     ``--json`` gives the folders' summaries (the summary.json schema)."""

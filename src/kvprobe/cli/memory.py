@@ -29,8 +29,6 @@ MemN = Annotated[int, typer.Option("--n", min=1, help="questions (users: n / que
 PolicyUsers = Annotated[int, typer.Option("--policy-users", help=(
     "calibration users (apart from the evaluation's) for the per-field policy arm: each edited on every profile "
     "fact, a fact's calibration stopping at its verdict; 0: no policy arm"))]
-Threshold = Annotated[float, typer.Option(help="the policy's repair for a fact is established when the lower bound "
-                                               "of its agreement with the oracle reaches this; in (0, 1)")]
 
 
 def _pair(value: str, option: str) -> tuple[int, int]:
@@ -54,7 +52,7 @@ def _seams(value: str) -> list[int]:
 def memory(model: opt.Model = opt.DEFAULTS["model"], n: MemN = 40, seed: opt.Seed = 0,
            form: opt.Form = opt.DEFAULTS["form"], sessions: Sessions = 3, session_tokens: SessionTokens = "120,200",
            questions_per_user: PerUser = 4, seams: Seams = "0,4", policy_users: PolicyUsers = 0,
-           threshold: Threshold = 0.95, margin: Margin = 0.05, alpha: Alpha = 0.05,
+           threshold: opt.Threshold = opt.DEFAULTS["threshold"], margin: Margin = 0.05, alpha: Alpha = 0.05,
            dtype: opt.Dtype = "float32", device: opt.Device = "cpu", device_map: opt.DeviceMap = "none",
            allow_failed_toy: opt.AllowFailedToy = False, out: opt.Out = None) -> None:
     """QA accuracy with the user profile early vs late, a profile fact edited (oracle, erratum, field-only, and
@@ -75,8 +73,6 @@ def memory(model: opt.Model = opt.DEFAULTS["model"], n: MemN = 40, seed: opt.See
         raise UsageError(f"--alpha must be in (0, 0.5), got {alpha}")
     if not 0 <= policy_users <= 10_000:
         raise UsageError(f"--policy-users must be a whole number in 0..10000 (0: no policy arm), got {policy_users}")
-    if not (math.isfinite(threshold) and 0 < threshold < 1):
-        raise UsageError(f"--threshold must be a number in (0, 1), got {threshold}")
     out = usable_out(out or opt.default_out("memory", model))
     settings = {"command": "memory", "model": model, "n": n, "seed": seed, "form": form, "sessions": sessions,
                 "session_tokens": list(span), "questions_per_user": questions_per_user, "seams": seam_list,

@@ -10,7 +10,7 @@ import typer
 
 from kvprobe import catalog
 from kvprobe.defaults import (DEFAULT_BUDGET, DEFAULT_FORM, DEFAULT_MIN_FLIP, DEFAULT_MODEL, DEFAULT_N,
-                              DEFAULT_STRATEGIES, DEFAULT_THRESHOLD, FORMS)
+                              DEFAULT_STRATEGIES, DEFAULT_THRESHOLD, FORMS, THRESHOLD_RANGE)
 
 # The built-in strategies' grammar and probes, from the light registry (kvprobe.catalog, which
 # imports no torch). A strategy registered by a plugin shows in `kvprobe strategies`.
@@ -22,6 +22,20 @@ Model = Annotated[str, typer.Option(help="model spec: a bundled alias, tiny-<fam
 Dataset = Annotated[str, typer.Option(help="'default' (generated: --n cases from --seed) or a JSONL file of cases")]
 N = Annotated[int, typer.Option(min=1, help="cases (generated data: how many; a JSONL file: at most this many)")]
 Seed = Annotated[int, typer.Option(help="seed of the generated data and of every random choice")]
+def threshold_option(value: float | None) -> float | None:
+    """--threshold of every command that establishes a repair (run, export-topk, compare, calibrate,
+    memory): :data:`~kvprobe.defaults.THRESHOLD_RANGE`, checked by the one rule
+    (:func:`kvprobe.stopping.rule.check_threshold`); None where a command reads it from its files."""
+    from kvprobe.stopping.rule import check_threshold
+
+    return None if value is None else check_threshold(value, "--threshold")
+
+
+Threshold = Annotated[float, typer.Option(callback=threshold_option, help="a repair (and K*, where the command has "
+                                          "one) is established when the lower bound of its agreement with the "
+                                          f"oracle reaches this; {THRESHOLD_RANGE}")]
+
+
 def _form(value: str) -> str:
     from kvprobe.errors import UsageError
 

@@ -19,8 +19,7 @@ def run(ctx: typer.Context,
                                      "in order until each leg of the repair rule and K* can be established at "
                                      "--threshold, at most --budget"),
         budget: int = typer.Option(opt.DEFAULTS["budget"], min=1, help="a sized run's most cases"),
-        threshold: float = typer.Option(opt.DEFAULTS["threshold"], min=0.5, max=0.999,
-                                        help="what the repair, K* and topk.yaml are established at"),
+        threshold: opt.Threshold = opt.DEFAULTS["threshold"],
         seed: opt.Seed = 0, form: opt.Form = opt.DEFAULTS["form"], few_shot: opt.FewShot = 0,
         probes: str = typer.Option(opt.PROBES.replace(" ", ""), help="comma-separated probes to run"),
         strategies: opt.Strategies = opt.DEFAULTS["strategies"], cot: opt.Cot = "0",
@@ -121,9 +120,7 @@ def _print_headline(out: Path, cfg) -> None:
 
 def export_topk(results_dir: Path = typer.Argument(..., help="a `kvprobe run` or `kvprobe sweep` results folder"),
                 out: Path | None = typer.Option(None, show_default="RESULTS_DIR/topk.yaml", help="YAML path"),
-                threshold: float = typer.Option(0.95, min=0.0, max=1.0, help="agreement with the oracle that K* "
-                                                                             "(and policy.cheapest) must reach, "
-                                                                             "in [0, 1]")) -> None:
+                threshold: opt.Threshold = opt.DEFAULTS["threshold"]) -> None:
     """Write the per-model top-K YAML (K*, ranking rule, token kinds, fingerprint, the evidence per strategy)
     for serving; from a sweep folder, the fingerprint and the evidence per strategy only. It is printed too,
     unless --out names the file."""

@@ -27,11 +27,13 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from kvprobe.defaults import DEFAULT_THRESHOLD
 from kvprobe.editor.strategies import Erratum, parse_strategy
 from kvprobe.errors import KvprobeError
 from kvprobe.metrics import mean_ci, proportion, wilson_ci
 from kvprobe.policy import SCHEMA_VERSION, TOPK_FILE, Evidence, candidate
 from kvprobe.repair_rule import cases_at_rate, cases_to_establish, cheapest_on, is_repair
+from kvprobe.stopping.rule import check_threshold
 from kvprobe.results import (
     EDITS,
     MANIFEST,
@@ -153,7 +155,7 @@ def strategy_evidence(rows: pd.DataFrame, label: str = "strategy") -> list[dict]
 
 
 def topk_config(edits: pd.DataFrame, fingerprint: dict, rule: dict, kinds_at_top: dict, max_downstream: int,
-                erratum_template: str, threshold: float = 0.95, n_layers: int | None = None,
+                erratum_template: str, threshold: float = DEFAULT_THRESHOLD, n_layers: int | None = None,
                 strategies: list[dict] | None = None) -> dict:
     """The YAML-ready configuration (see module docstring); ``strategies`` is :func:`strategy_evidence`'s."""
     sweep = k_sweep(edits)
@@ -187,11 +189,14 @@ EDITS_COLUMNS = ("case_id", "strategy", "ranking", "cot", "k", "agree", "recover
 SWEEP_COLUMNS = ("case_id", "measure", "name", "agree", "valid", "control", "frac_recomputed", "wall_s")
 
 
-def export_topk(results_dir: Path | str, out: Path | str | None = None, threshold: float = 0.95) -> Path:
+def export_topk(results_dir: Path | str, out: Path | str | None = None,
+                threshold: float = DEFAULT_THRESHOLD) -> Path:
     """Compute the top-K YAML from a ``kvprobe run`` folder (edits + ranking rule + manifest) or a
     ``kvprobe sweep`` folder (:func:`export_sweep`); returns its path. A folder whose files are
     missing, unreadable or not what those commands write is a one-line :class:`KvprobeError`
-    naming the file."""
+    naming the file; a threshold outside [0.5, 1) a one-line UsageError (a topk.yaml holding one
+    would be refused where it is read)."""
+    check_threshold(threshold, "threshold")
     results_dir = Path(results_dir)
     if not results_dir.is_dir():
         raise KvprobeError(f"results folder not found: {results_dir}")
@@ -243,7 +248,8 @@ def field_repairs(rows: pd.DataFrame, evidence: list[dict], threshold: float) ->
     return out
 
 
-def export_sweep(folder: Path, out: Path | str | None = None, threshold: float = 0.95) -> Path:
+def export_sweep(folder: Path, out: Path | str | None = None,
+                 threshold: float = DEFAULT_THRESHOLD) -> Path:
     """The YAML of a ``kvprobe sweep`` folder: the model fingerprint its manifest holds, ``k_star:
     null`` (a sweep learns no ranking), and the strategies section over every valid case of every
     cell (the layouts pooled). The erratum template is the one the sweep's erratum strategies

@@ -33,12 +33,12 @@ from kvprobe.datasets.memory import MemorySegments, MemorySet, calibration_memor
 from kvprobe.executor import Context, Serial
 from kvprobe.kv import cache as kvcache
 from kvprobe.memory.runner import State, erratum_state, field_only_state, prefill_state, read_question
+from kvprobe.defaults import DEFAULT_THRESHOLD
 from kvprobe.stopping.rule import FieldResult, decide
 from kvprobe.stopping.sequence import ALPHA_LOWER, ALPHA_UPPER, Sequence
 
 CANDIDATES = ("field_only", "erratum")  # cheapest first: the value's tokens, then the correction line's
 STRATEGIES = ("stale", "oracle", *CANDIDATES)
-DEFAULT_THRESHOLD = 0.95
 COLUMNS = ("element", "user_id", "fact", "question_id", "kind", "strategy", "answer", "margin", "reference", "agree",
            "changed", "tokens_recomputed", "wall_s", "decide_s")
 

@@ -7,19 +7,18 @@ applies it again to a policy file's recorded counts.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvprobe.stopping.sequence import Sequence
+from kvprobe.defaults import MIN_THRESHOLD, THRESHOLD_RANGE, is_threshold  # noqa: F401 (MIN_THRESHOLD: re-exported)
 from kvprobe.errors import UsageError
+from kvprobe.stopping.sequence import Sequence
 from kvprobe.repair_rule import NOT_REPAIRS, is_repair
 
 SAME_IDS = "old and new value have the same token ids"
 DEGENERATE_SHARE = 0.5  # a field whose drawn pairs are mostly not measurable gets no repair verdict
 MIN_DRAWN = 10  # ... once at least this many pairs were drawn
 NOT_CANDIDATES = NOT_REPAIRS  # the two ends (stale, oracle), a rewritten prompt (hoist), a chooser (auto)
-MIN_THRESHOLD = 0.5  # below it a repair that disagrees with the oracle more often than not could be "established"
 
 
 def is_candidate(spec: str) -> bool:
@@ -29,11 +28,11 @@ def is_candidate(spec: str) -> bool:
 
 
 def check_threshold(threshold, what: str) -> float:
-    """``threshold`` if it is a repair threshold: a number in [0.5, 1); else a one-line UsageError."""
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold) \
-            or not MIN_THRESHOLD <= threshold < 1:
-        raise UsageError(f"{what} must be a number in [{MIN_THRESHOLD:g}, 1) (a repair agrees with the oracle at "
-                         f"least that often), got {threshold!r}")
+    """``threshold`` if it is a repair threshold (:func:`kvprobe.defaults.is_threshold`); else a
+    one-line UsageError."""
+    if not is_threshold(threshold):
+        raise UsageError(f"{what} must be {THRESHOLD_RANGE} (a repair agrees with the oracle at least that often), "
+                         f"got {threshold!r}")
     return float(threshold)
 
 
