@@ -32,7 +32,7 @@ def home() -> Path:
     try:
         target.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        where = "" if target == root.absolute() else f" (a link to {target})"
+        where = "" if target == root.absolute() else f" (which resolves to {target})"
         raise EnvironmentProblem(f"KVPROBE_HOME {root}{where} cannot be created ({exc.strerror or exc}); "
                                  f"{FIX}") from None
     return root

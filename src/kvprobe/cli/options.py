@@ -22,6 +22,8 @@ Model = Annotated[str, typer.Option(help="model spec: a bundled alias, tiny-<fam
 Dataset = Annotated[str, typer.Option(help="'default' (generated: --n cases from --seed) or a JSONL file of cases")]
 N = Annotated[int, typer.Option(min=1, help="cases (generated data: how many; a JSONL file: at most this many)")]
 Seed = Annotated[int, typer.Option(help="seed of the generated data and of every random choice")]
+
+
 def threshold_option(value: float | None) -> float | None:
     """--threshold of every command that establishes a repair (run, export-topk, compare, calibrate,
     memory): :data:`~kvprobe.defaults.THRESHOLD_RANGE`, checked by the one rule

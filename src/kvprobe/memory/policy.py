@@ -30,10 +30,10 @@ import torch
 
 from kvprobe.composer.gate import option_token_ids
 from kvprobe.datasets.memory import MemorySegments, MemorySet, calibration_memory, segments
+from kvprobe.defaults import DEFAULT_THRESHOLD
 from kvprobe.executor import Context, Serial
 from kvprobe.kv import cache as kvcache
 from kvprobe.memory.runner import State, erratum_state, field_only_state, prefill_state, read_question
-from kvprobe.defaults import DEFAULT_THRESHOLD
 from kvprobe.stopping.rule import FieldResult, decide
 from kvprobe.stopping.sequence import ALPHA_LOWER, ALPHA_UPPER, Sequence
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvprobe.defaults import MIN_THRESHOLD, THRESHOLD_RANGE, is_threshold  # noqa: F401 (MIN_THRESHOLD: re-exported)
+from kvprobe.defaults import THRESHOLD_RANGE, is_threshold
 from kvprobe.errors import UsageError
 from kvprobe.stopping.sequence import Sequence
 from kvprobe.repair_rule import NOT_REPAIRS, is_repair
