@@ -33,6 +33,20 @@ def timed(fn, repeat: int = 1):
     return out, best
 
 
+def alternate(arms, repeat: int, run) -> tuple[dict[str, list[float]], dict]:
+    """``run(arm, r)`` for each run ``r`` and each arm in turn (the arms alternate, so that drift in the
+    machine's speed falls on both), timed and printed; returns each arm's wall times and its last result."""
+    times: dict[str, list[float]] = {arm: [] for arm in arms}
+    results: dict = {}
+    for r in range(repeat):
+        for arm in arms:
+            t0 = time.perf_counter()
+            results[arm] = run(arm, r)
+            times[arm].append(time.perf_counter() - t0)
+            print(f"{arm}, run {r + 1}: {times[arm][-1]:.1f} s", flush=True)
+    return times, results
+
+
 def report_arms(times: dict[str, list[float]], width: int) -> dict[str, float]:
     """Print each arm's median wall time and its runs, one line an arm; returns the medians."""
     medians = {arm: statistics.median(ts) for arm, ts in times.items()}

@@ -15,10 +15,9 @@ import argparse
 import contextlib
 import hashlib
 import tempfile
-import time
 from pathlib import Path
 
-from common import report_arms
+from common import alternate, report_arms
 from kvprobe.hardware import cpu_line
 from kvprobe.models import bundled
 
@@ -37,21 +36,18 @@ def main() -> None:
     gguf = bundled.assemble_gguf(b, progress=lambda s: print(s, flush=True))
     once = bundled._one_header_parse
     arms = {"parsed once": once, "parsed three times": contextlib.nullcontext}
-    times: dict[str, list[float]] = {a: [] for a in arms}
-    digests: dict[str, dict[str, str]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.repeat):
-            for arm, parse in arms.items():
-                out = Path(tmp) / f"{arm.replace(' ', '-')}-{r}"
-                bundled._one_header_parse = parse
-                try:
-                    t0 = time.perf_counter()
-                    bundled.dequantize_to_folder(gguf, out, b.model_class)
-                    times[arm].append(time.perf_counter() - t0)
-                finally:
-                    bundled._one_header_parse = once
-                digests[arm] = folder_digest(out)
-                print(f"{arm}, run {r + 1}: {times[arm][-1]:.1f} s", flush=True)
+        def run(arm: str, r: int) -> Path:
+            out = Path(tmp) / f"{arm.replace(' ', '-')}-{r}"
+            bundled._one_header_parse = arms[arm]
+            try:
+                bundled.dequantize_to_folder(gguf, out, b.model_class)
+            finally:
+                bundled._one_header_parse = once
+            return out
+
+        times, outs = alternate(arms, args.repeat, run)
+        digests = {arm: folder_digest(out) for arm, out in outs.items()}  # each arm's last folder
     same = len({tuple(d.items()) for d in digests.values()}) == 1
     print(f"\n{args.model}: n={args.repeat} runs per arm, alternating")
     medians = report_arms(times, 20)

@@ -12,12 +12,11 @@ each arm's wall times and the median ratio.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 from transformers import AttentionInterface
 
-from common import report_arms
+from common import alternate, report_arms
 from kvprobe.hardware import cpu_line
 from kvprobe.models import attention, load_model, toy_folder
 from kvprobe.toys import evaluate as toy_eval
@@ -51,17 +50,13 @@ def main() -> None:
     lm = load_model(f"toy-{args.family}")
     h = toy_folder.read_manifest(toy_folder.shipped_dir(args.family))["heldout"]
     arms = {"in place": attention.grouped_eager, "allocating": allocating}
-    times: dict[str, list[float]] = {a: [] for a in arms}
-    figures: dict[str, dict] = {}
+
+    def run(arm: str, r: int) -> dict:
+        AttentionInterface.register(attention.NAME, arms[arm])
+        return toy_eval.evaluate_toy(lm, n=h["n"], n_unseen=max(20, h["n"] // 4), fillers=tuple(h["fillers"]))
+
     try:
-        for r in range(args.repeat):
-            for arm, fn in arms.items():
-                AttentionInterface.register(attention.NAME, fn)
-                t0 = time.perf_counter()
-                figures[arm] = toy_eval.evaluate_toy(lm, n=h["n"], n_unseen=max(20, h["n"] // 4),
-                                                     fillers=tuple(h["fillers"]))
-                times[arm].append(time.perf_counter() - t0)
-                print(f"{arm}, run {r + 1}: {times[arm][-1]:.1f} s", flush=True)
+        times, figures = alternate(arms, args.repeat, run)
     finally:
         AttentionInterface.register(attention.NAME, attention.grouped_eager)
     same = figures["in place"] == figures["allocating"]
