@@ -89,13 +89,10 @@ def _check_float(name: str, value: str, param) -> None:
     except (TypeError, ValueError):
         return  # not a number at all: click's message says so
     if math.isnan(number):
-        from kvprobe.cli.options import threshold_option
-        from kvprobe.defaults import THRESHOLD_RANGE
-
         lo, hi = getattr(param, "min", None), getattr(param, "max", None)
-        callback = getattr(param, "callback", None)
-        accepted = (THRESHOLD_RANGE if getattr(callback, "__wrapped__", callback) is threshold_option
-                    else f"a number in [{lo:g}, {hi:g}]" if lo is not None and hi is not None
-                    else f"a number >= {lo:g}" if lo is not None else f"a number <= {hi:g}" if hi is not None
-                    else "a number")
+        callback = getattr(param, "callback", None)  # typer wraps it; a checking callback may say what it accepts
+        accepted = getattr(getattr(callback, "__wrapped__", callback), "accepted", None) or (
+            f"a number in [{lo:g}, {hi:g}]" if lo is not None and hi is not None
+            else f"a number >= {lo:g}" if lo is not None else f"a number <= {hi:g}" if hi is not None
+            else "a number")
         raise UsageError(f"{name} {value!r} is not a number (NaN); give {accepted}")

@@ -33,6 +33,8 @@ def threshold_option(value: float | None) -> float | None:
     return None if value is None else check_threshold(value, "--threshold")
 
 
+threshold_option.accepted = THRESHOLD_RANGE  # what the NaN check of cli.argv says is accepted
+
 Threshold = Annotated[float, typer.Option(callback=threshold_option, help="a repair (and K*, where the command has "
                                           "one) is established when the lower bound of its agreement with the "
                                           f"oracle reaches this; {THRESHOLD_RANGE}")]
