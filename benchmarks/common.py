@@ -6,7 +6,7 @@ import statistics
 import time
 
 from kvprobe.datasets import DOMAINS, align, generate
-from kvprobe.metrics import proportion_ci
+from kvprobe.intervals import proportion_ci
 
 
 def long_case(tokenizer, target_tokens: int, seed: int = 0, form: str = "auto"):

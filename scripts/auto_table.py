@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvprobe.metrics import wilson_ci
+from kvprobe.intervals import wilson_share
 
 REFERENCE = ("stale", "oracle")  # the two ends: neither is a repair to choose
 
@@ -34,7 +34,7 @@ def table(rows: pd.DataFrame) -> pd.DataFrame:
     for name, g in rows.groupby("name", sort=False):
         dec, ctl = g[~g.control], g[g.control]
         k, n = int(dec.agree.sum()), len(dec)
-        lo, hi = wilson_ci(k / n if n else float("nan"), n)
+        lo, hi = wilson_share(k / n if n else float("nan"), n)
         out.append({"strategy": name, "n": n, "agreement": k / n if n else float("nan"), "lo": lo, "hi": hi,
                     "controls_kept": int(ctl.agree.sum()), "n_controls": len(ctl),
                     "invariance": ctl.agree.mean() if len(ctl) else float("nan"),

@@ -10,7 +10,7 @@ import json
 
 import pandas as pd
 
-from kvprobe.metrics import wilson_ci
+from kvprobe.intervals import wilson_share
 from kvprobe.results import SWEEP_MANIFEST, SWEEP_SUMMARY
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "mistral")
@@ -34,7 +34,7 @@ def row(family: str) -> str:
         rows = summary[(summary.measure == "strategy") & (summary.name == name)]
         n = int(rows.n_agree.sum())
         p = float((rows.agree * rows.n_agree).sum()) / n
-        lo, hi = wilson_ci(p, n)
+        lo, hi = wilson_share(p, n)
         cells.append(f"{p:.2f} [{lo:.2f}, {hi:.2f}] (n={n})")
     cells.append(", ".join(f"{layout}: {manifest['layout_verdicts'][layout]}" for layout in LAYOUTS))
     return f"| toy-{family} | " + " | ".join(cells) + " |"

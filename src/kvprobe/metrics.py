@@ -1,5 +1,5 @@
 """Decision metrics against the oracle, per case and aggregated with 95% CIs: Wilson intervals
-(scipy) for yes/no shares such as agreement, a percentile bootstrap for means such as recovery.
+(:mod:`kvprobe.intervals`) for yes/no shares such as agreement, a percentile bootstrap for means such as recovery.
 
 Per case, with m = score(new answer) - score(old answer) at the decision token:
 
@@ -18,9 +18,9 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from scipy.stats import binomtest
 
 from kvprobe.defaults import DEFAULT_MIN_FLIP  # noqa: F401  (logits; below it no recovery ratio)
+from kvprobe.intervals import proportion_ci
 
 N_BOOT = 2000
 
@@ -46,25 +46,6 @@ def bootstrap_ci(values, n_boot: int = N_BOOT, seed: int = 0, alpha: float = 0.0
     rng = np.random.default_rng(seed)
     means = x[rng.integers(0, len(x), (n_boot, len(x)))].mean(1)
     return float(np.quantile(means, alpha / 2)), float(np.quantile(means, 1 - alpha / 2))
-
-
-def proportion_ci(k: int, n: int, confidence: float = 0.95, method: str = "wilson") -> tuple[float, float]:
-    """scipy's interval for ``k`` successes of ``n`` trials (``method``: "wilson" or "exact", i.e.
-    Clopper-Pearson); (nan, nan) without trials. 15 of 15 gives [0.80, 1.00], not [1, 1]."""
-    if not n:
-        return float("nan"), float("nan")
-    ci = binomtest(int(k), int(n)).proportion_ci(confidence_level=confidence, method=method)
-    return float(ci.low), float(ci.high)
-
-
-def wilson_ci(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    """The Wilson score 95% interval of a proportion ``p`` of ``n`` trials (``p * n`` successes,
-    rounded); (nan, nan) without trials."""
-    if not n or p is None or not math.isfinite(p):
-        return float("nan"), float("nan")
-    if z != 1.96:
-        raise ValueError("wilson_ci gives 95% intervals; use proportion_ci(k, n, confidence) for another level")
-    return proportion_ci(round(p * n), n)
 
 
 def proportion(values) -> tuple[float, float, float, int]:

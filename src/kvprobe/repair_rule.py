@@ -15,8 +15,8 @@ decision. ``kvprobe calibrate`` applies the same two legs per field with an inte
 valid under its repeated looks (:mod:`kvprobe.stopping.sequence`): one stream per field whose
 pairs are agreement where the oracle's decision changed and no-flip where it did not.
 
-This module imports nothing but the standard library (``kvprobe.policy`` reads it, and must load
-without torch); :func:`wilson` is scipy's Wilson interval in closed form (a test checks both agree).
+This module imports nothing but the standard library and :mod:`kvprobe.intervals` (``kvprobe.policy``
+reads it, and must load without torch); the interval is :func:`kvprobe.intervals.wilson`.
 """
 
 from __future__ import annotations
@@ -24,20 +24,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-Z95 = 1.959963984540054  # the normal quantile of a two-sided 95% interval
+from kvprobe.intervals import Z95, wilson
 
 RULE = ("the cheapest repair (share of tokens recomputed, then time to the decision) established on both legs: its "
         "agreement with the oracle on decision edits, and its keeping of the decision on negative controls (edits "
         "that must not change it), each with a Wilson 95% lower bound at or above the threshold")
-
-
-def wilson(k: int, n: int) -> tuple[float, float]:
-    """The Wilson score 95% interval of ``k`` successes in ``n`` trials; (nan, nan) without trials."""
-    if not n:
-        return float("nan"), float("nan")
-    p, z2 = k / n, Z95 ** 2
-    centre, half = p + z2 / (2 * n), Z95 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
-    return max(0.0, (centre - half) / (1 + z2 / n)), min(1.0, (centre + half) / (1 + z2 / n))
 
 
 NOT_REPAIRS = ("stale", "oracle", "hoist", "auto")  # never chosen: the two ends, a rewritten prompt, a chooser

@@ -17,7 +17,8 @@ from kvprobe.datasets import ERRATUM_TEMPLATES
 from kvprobe.editor.causal_rule import RankingRule
 from kvprobe.editor.topk import NO_RANKING, cases_to_establish, export_topk, k_star_fields, k_sweep
 from kvprobe.errors import KvprobeError
-from kvprobe.metrics import proportion, proportion_ci, wilson_ci
+from kvprobe.intervals import proportion_ci, wilson_share
+from kvprobe.metrics import proportion
 from kvprobe.results import (
     EDITS,
     MANIFEST,
@@ -185,7 +186,7 @@ def test_fifteen_of_fifteen_is_not_certain():
     share, lo, hi, n = proportion([1.0] * 15)
     assert (share, n, hi) == (1.0, 15, 1.0) and lo == pytest.approx(0.7961, abs=1e-4)
     assert proportion_ci(15, 15, method="exact")[0] == pytest.approx(0.7820, abs=1e-4)  # Clopper-Pearson
-    assert wilson_ci(1.0, 15) == proportion_ci(15, 15)
+    assert wilson_share(1.0, 15) == proportion_ci(15, 15)
 
 
 # -- load, cheapest, ranking -----------------------------------------------------------------------

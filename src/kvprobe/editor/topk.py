@@ -30,7 +30,8 @@ import yaml
 from kvprobe.defaults import DEFAULT_THRESHOLD
 from kvprobe.editor.strategies import Erratum, parse_strategy
 from kvprobe.errors import KvprobeError
-from kvprobe.metrics import mean_ci, proportion, wilson_ci
+from kvprobe.intervals import wilson_share
+from kvprobe.metrics import mean_ci, proportion
 from kvprobe.policy import SCHEMA_VERSION, TOPK_FILE, Evidence, candidate
 from kvprobe.repair_rule import cases_at_rate, cases_to_establish, cheapest_on, is_repair
 from kvprobe.stopping.rule import check_threshold
@@ -143,7 +144,7 @@ def strategy_evidence(rows: pd.DataFrame, label: str = "strategy") -> list[dict]
         n = len(decision)
         p = float(decision.mean()) if n else None
         entry = {"spec": str(spec), "agreement": _num(p, 4),
-                 "agreement_ci95": [_num(x, 4) for x in wilson_ci(p, n)] if n else None, "n": n,
+                 "agreement_ci95": [_num(x, 4) for x in wilson_share(p, n)] if n else None, "n": n,
                  "control_invariance": _num(controls.mean(), 4) if len(controls) else None,
                  "n_controls": len(controls), "frac_recomputed": _num(ran.frac_recomputed.mean(), 4),
                  "wall_s": _num(ran["wall_s"].mean(), 6) if "wall_s" in ran else None}

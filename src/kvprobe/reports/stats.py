@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 from markupsafe import Markup, escape
 
-from kvprobe.metrics import mean_ci, proportion, wilson_ci
+from kvprobe.intervals import wilson_share
+from kvprobe.metrics import mean_ci, proportion
 
 MIN_N = 10
 MAX_CI_WIDTH = 0.5
@@ -52,11 +53,11 @@ class Stat:
         return cls(*proportion(x)) if np.isin(x, (0.0, 1.0)).all() else cls.of(x)
 
     @classmethod
-    def wilson(cls, p: float, n: int, z: float = 1.96) -> "Stat":
-        """A proportion ``p`` of ``n`` trials with the Wilson score interval."""
+    def wilson(cls, p: float, n: int) -> "Stat":
+        """A proportion ``p`` of ``n`` trials with the Wilson score 95% interval."""
         if not n or p is None or not math.isfinite(p):
             return cls(float("nan"), float("nan"), float("nan"), int(n or 0))
-        return cls(float(p), *wilson_ci(p, n, z), int(n))
+        return cls(float(p), *wilson_share(p, n), int(n))
 
     @property
     def caveat(self) -> str | None:

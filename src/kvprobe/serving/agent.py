@@ -389,7 +389,7 @@ class AgentBench(ServerRun):
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (rate, arm): the serving figures of :func:`kvprobe.serving.measure.summarize` and
     the decision agreement with the rerender arm, per update kind, with Wilson 95% intervals."""
-    from kvprobe.repair_rule import wilson
+    from kvprobe.intervals import wilson
 
     if df.empty:
         return pd.DataFrame()

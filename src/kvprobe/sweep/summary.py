@@ -22,7 +22,8 @@ import math
 
 import pandas as pd
 
-from kvprobe.metrics import mean_ci, wilson_ci
+from kvprobe.intervals import wilson_share
+from kvprobe.metrics import mean_ci
 
 NOTES_BELOW = 1 / 3
 FIELD_ABOVE = 2 / 3
@@ -52,7 +53,7 @@ def summarize(rows: pd.DataFrame) -> pd.DataFrame:
         for (measure, name), group in valid.groupby(["measure", "name"], sort=False):
             ok = group[group.error.isna()] if "error" in group else group
             p_agree = float(ok.agree.mean()) if len(ok) else float("nan")
-            agree_lo, agree_hi = wilson_ci(p_agree, len(ok))
+            agree_lo, agree_hi = wilson_share(p_agree, len(ok))
             rec_mean, rec_lo, rec_hi, rec_n = mean_ci(ok.recovery.dropna().to_numpy())
             out.append(base | {"measure": measure, "name": name, "agree": p_agree, "agree_lo": agree_lo,
                                "agree_hi": agree_hi, "n_agree": len(ok), "recovery": rec_mean,
