@@ -33,7 +33,7 @@ from kvprobe.editor.context import EditContext, make_context
 from kvprobe.editor.score import measure_strategies
 from kvprobe.editor.auto import check_policies, check_policy_specs, load_policy
 from kvprobe.editor.strategies import Strategy, apply, parse_strategy
-from kvprobe.errors import KvprobeError, UsageError
+from kvprobe.errors import KvprobeError, UsageError, validator_message
 from kvprobe.kv import cache as kvcache
 from kvprobe.kv.decode import Edited
 from kvprobe.models.load import LoadedModel, load_model, wrap_model
@@ -273,7 +273,7 @@ def first_message(exc: Exception) -> str:
     errors = getattr(exc, "errors", None)
     if callable(errors):
         first = errors()[0]
-        return str(first["msg"]).removeprefix("Value error, ")
+        return validator_message(first)
     return str(exc).splitlines()[0]
 
 

@@ -15,7 +15,7 @@ from kvprobe.defaults import (DEFAULT_BUDGET, DEFAULT_FORM, DEFAULT_MIN_FLIP, DE
                               DEFAULT_THRESHOLD, checked_form)
 from kvprobe.editor.rankings import RANKINGS
 from kvprobe.editor.strategies import Strategy, parse_strategy
-from kvprobe.errors import KvprobeError
+from kvprobe.errors import KvprobeError, validator_message
 from kvprobe.probes import STAGES
 from kvprobe.schema import Threshold
 
@@ -166,7 +166,7 @@ class RunConfig(BaseModel):
             if err["loc"] and err["loc"][0] in overrides:  # a flag is at fault, not the file
                 raise UsageError.from_validation(exc, "run") from None
             hint = f"; accepted keys: {keys}" if err["type"] == "extra_forbidden" else ""
-            msg = f"{loc}: " + str(err["msg"]).removeprefix("Value error, ")  # a validator's own message
+            msg = f"{loc}: " + validator_message(err)
             if err["type"] == "value_error" and repr(err.get("input")) not in msg:  # it names what is accepted only
                 msg = f"{loc} is {err.get('input')!r}; accepted: " + msg.removeprefix(f"{loc}: ")
             raise KvprobeError(f"{path}: {msg}{hint}") from None

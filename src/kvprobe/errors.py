@@ -27,6 +27,15 @@ EXIT_CODES = {
 }
 
 
+PYDANTIC_PREFIX = "Value error, "  # what pydantic puts before a validator's ValueError message
+
+
+def validator_message(err: dict) -> str:
+    """One error of a pydantic ``ValidationError.errors()``: its message as the validator wrote it
+    (pydantic prefixes a ``ValueError``'s message with :data:`PYDANTIC_PREFIX`)."""
+    return str(err["msg"]).removeprefix(PYDANTIC_PREFIX)
+
+
 class KvprobeError(Exception):
     """A problem with the user's input data or files, explained in one line (exit status 3)."""
 
@@ -46,7 +55,7 @@ class UsageError(KvprobeError):
     def from_validation(cls, exc, command: str) -> UsageError:
         """The first error of a pydantic ValidationError over a command's options, named as the option."""
         err = exc.errors()[0]
-        msg = str(err["msg"]).removeprefix("Value error, ")  # a validator's own message, as it wrote it
+        msg = validator_message(err)
         return cls(f"bad {command} option --{str(err['loc'][0]).replace('_', '-')}: {msg}")
 
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, PlainValidator, ValidationError
 
 from kvprobe.defaults import THRESHOLD_RANGE, is_threshold
-from kvprobe.errors import KvprobeError
+from kvprobe.errors import KvprobeError, validator_message
 
 __all__ = ["CI", "Count", "File", "Finite", "Number", "Seconds", "Share", "ShareOrNaN", "Text", "Threshold",
            "check_version", "describe", "validate"]
@@ -126,7 +126,7 @@ def describe(exc: ValidationError) -> str:
     first = errors[0]
     loc = tuple(first["loc"])
     if not loc:  # a check across keys: its message says it all
-        return str(first["msg"]).removeprefix("Value error, ")
+        return validator_message(first)
     if first["type"] == "missing":
         missing = [e["loc"][-1] for e in errors if e["type"] == "missing" and tuple(e["loc"][:-1]) == loc[:-1]]
         where = _where(loc[:-1])
@@ -139,7 +139,7 @@ def describe(exc: ValidationError) -> str:
     elif first["type"] in _KINDS:
         accepted = _KINDS[first["type"]]
     else:
-        accepted = str(first["msg"]).removeprefix("Value error, ")
+        accepted = validator_message(first)
     return f"{_where(loc) or 'the file'} is {_shown(first['input'])}; accepted: {accepted}"
 
 

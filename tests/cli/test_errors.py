@@ -252,3 +252,31 @@ def test_a_full_disk_during_a_sweep_is_one_line_and_exit_4(tmp_path, monkeypatch
     assert lines[-1] == ("error: the disk is full: No space left on device; free some space and rerun the same "
                          "command (finished work is kept)"), err
     assert "Traceback" not in err and not [ln for ln in lines if ln.startswith("error:")][:-1]
+
+
+def test_a_validators_message_is_unwrapped_in_one_place():
+    """pydantic writes a validator's ValueError as "Value error, <message>"; kvprobe's one-line errors show the
+    message as the validator wrote it, unwrapped by errors.validator_message alone (issue 51: one home a fact)."""
+    from pathlib import Path
+
+    import pydantic
+
+    from kvprobe.errors import PYDANTIC_PREFIX, validator_message
+
+    class M(pydantic.BaseModel):
+        x: int
+
+        @pydantic.field_validator("x")
+        @classmethod
+        def small(cls, v):
+            if v > 3:
+                raise ValueError("x must be at most 3")
+            return v
+
+    with pytest.raises(pydantic.ValidationError) as exc:
+        M(x=5)
+    err = exc.value.errors()[0]
+    assert err["msg"] == PYDANTIC_PREFIX + "x must be at most 3" and validator_message(err) == "x must be at most 3"
+    src = Path(__file__).resolve().parents[2] / "src" / "kvprobe"
+    homes = sorted(str(p.relative_to(src)) for p in src.rglob("*.py") if PYDANTIC_PREFIX in p.read_text())
+    assert homes == ["errors.py"], homes

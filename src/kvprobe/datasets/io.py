@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from kvprobe.datasets.generate import generate
 from kvprobe.datasets.render import check_text
 from kvprobe.datasets.schema import EditCase
-from kvprobe.errors import KvprobeError
+from kvprobe.errors import KvprobeError, validator_message
 from kvprobe.results import atomic_write, check_case_ids
 
 
@@ -27,7 +27,7 @@ def save_jsonl(cases: Iterable[EditCase], path: str | Path) -> Path:
 
 def _first_error(err: ValidationError) -> str:
     first = err.errors()[0]
-    msg = first["msg"].removeprefix("Value error, ")
+    msg = validator_message(first)
     msg = msg[:1].lower() + msg[1:]
     loc = ".".join(str(part) for part in first["loc"])
     return f"field '{loc}': {msg}" if loc else msg
