@@ -31,6 +31,13 @@ RULE = ("the cheapest repair (share of tokens recomputed, then time to the decis
         "that must not change it), each with a Wilson 95% lower bound at or above the threshold")
 
 
+def clears(lower: float | None, threshold: float) -> bool:
+    """The gate, one rule for every verdict kvprobe gives on a share (a repair's leg, ``kvprobe validate``'s
+    composition gate, the report's headline, K*, calibrate's sequences): its lower bound is at or above
+    ``threshold``. A bound that is missing or NaN (nothing measured) never clears."""
+    return lower is not None and lower >= threshold  # NaN compares False
+
+
 NOT_REPAIRS = ("stale", "oracle", "hoist", "auto")  # never chosen: the two ends, a rewritten prompt, a chooser
 NOT_REPAIRS_WHY = ("stale and oracle are the two ends, hoist rewrites the prompt (the field moved to its end), auto "
                    "chooses among repairs")
@@ -67,7 +74,7 @@ class Leg:
         """``established``, ``ruled out``, ``open`` or ``not measured``."""
         if not self.n:
             return "not measured"
-        if self.lo >= threshold:
+        if clears(self.lo, threshold):
             return "established"
         return "ruled out" if self.hi < threshold else "open"
 
@@ -133,7 +140,7 @@ def cases_at_rate(rate: float, threshold: float, limit: int = 100_000) -> int | 
         return None
     n = cases_to_establish(threshold) or 1
     while n <= limit:
-        if wilson(math.floor(rate * n), n)[0] >= threshold:
+        if clears(wilson(math.floor(rate * n), n)[0], threshold):
             return n
         n = math.ceil(n * 1.05)
     return None
@@ -145,6 +152,6 @@ def cases_to_establish(threshold: float) -> int | None:
     if threshold >= 1:
         return None
     n = max(1, math.ceil(threshold * Z95 ** 2 / (1 - threshold)) - 1)
-    while wilson(n, n)[0] < threshold:
+    while not clears(wilson(n, n)[0], threshold):
         n += 1
     return n

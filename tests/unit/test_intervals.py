@@ -59,3 +59,18 @@ def test_no_other_home_computes_a_wilson_interval():
                    for p in (ROOT / folder).rglob("*.py") if formula.search(p.read_text()))
     assert homes == ["src/kvprobe/intervals.py"], homes
     assert intervals.Z95 == float(__import__("scipy.special", fromlist=["ndtri"]).ndtri(0.975))
+
+
+def test_one_gate_rule_the_lower_bound_at_or_above_the_threshold():
+    """repair_rule.clears is the gate of every verdict on a share: a repair's leg, validate's composition gate, the
+    report's headline, K*, calibrate's sequences. At the threshold it clears; a missing or NaN bound never does."""
+    from kvprobe.repair_rule import Leg, cases_to_establish, clears
+    from kvprobe.stopping.sequence import Sequence
+
+    assert clears(0.95, 0.95) and not clears(0.9499, 0.95) and not clears(float("nan"), 0.5) and not clears(None, 0.5)
+    n = cases_to_establish(0.95)
+    assert clears(wilson(n, n)[0], 0.95) and not clears(wilson(n - 1, n - 1)[0], 0.95)
+    assert Leg(n, n).status(0.95) == "established" and Leg(n - 1, n - 1).status(0.95) == "open"
+    seq = Sequence(0.95)
+    k = next(k for k in range(1, 2000) if clears(seq.lower(k, k), 0.95))
+    assert seq.verdict(k, k) == "established" and seq.verdict(k - 1, k - 1) == "open"

@@ -51,7 +51,7 @@ def validate(ctx: typer.Context, model: opt.Model = opt.DEFAULTS["model"],
     from kvprobe.composer.blocks import check_composable
     from kvprobe.composer.gate import run_compose, summarize_compose
     from kvprobe.datasets.skills import check_options
-    from kvprobe.repair_rule import cases_to_establish
+    from kvprobe.repair_rule import cases_to_establish, clears
     from kvprobe.results import (COMPOSE, COMPOSE_MANIFEST, VALIDATE_CLAIM, ResultsFolder, atomic_write_parquet,
                                  version_entry)
 
@@ -103,7 +103,7 @@ def validate(ctx: typer.Context, model: opt.Model = opt.DEFAULTS["model"],
     gated = summary[(summary.seam == seam) & summary.rerotate].iloc[0]
     agreement, lo, hi, k = float(gated.agreement), float(gated.agreement_lo), float(gated.agreement_hi), int(gated.n)
     stated = f"agreement {agreement:.3f} [{lo:.2f}, {hi:.2f}] (n={k}) at s={seam} (re-rotated)"
-    if not lo >= threshold:  # the gate is the lower bound, as run's and the headline's
+    if not clears(lo, threshold):
         need = cases_to_establish(threshold)
         short = ("" if agreement < 1 else f"; all {k} agreeing would need n >= {need}" if need
                  else "; no number of queries reaches a lower bound of 1")

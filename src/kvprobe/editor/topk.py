@@ -33,7 +33,7 @@ from kvprobe.errors import KvprobeError
 from kvprobe.intervals import wilson_share
 from kvprobe.metrics import mean_ci, proportion
 from kvprobe.policy import SCHEMA_VERSION, TOPK_FILE, Evidence, candidate
-from kvprobe.repair_rule import cases_at_rate, cases_to_establish, cheapest_on, is_repair
+from kvprobe.repair_rule import cases_at_rate, cases_to_establish, cheapest_on, clears, is_repair
 from kvprobe.stopping.rule import check_threshold
 from kvprobe.results import (
     EDITS,
@@ -96,7 +96,7 @@ def k_star_fields(sweep: pd.DataFrame, threshold: float, max_downstream: int) ->
     if not len(sweep):
         return {"k_star": None, "k_star_status": "not reached", "reason": "no selective:K:causal results on "
                                                                           "held-out cases"}
-    established = sweep[sweep.agreement_lo >= threshold]
+    established = sweep[[clears(lo, threshold) for lo in sweep.agreement_lo]]
     if len(established):
         return {"k_star": int(established.iloc[0].k), "k_star_status": "established", **evidence(established.iloc[0])}
     reached = sweep[sweep.agreement >= threshold]

@@ -44,7 +44,8 @@ from kvprobe.errors import KvprobeError
 from kvprobe.editor.topk import held_out_decisions, k_star_for, k_sweep
 from kvprobe.metrics import summarize_edits, valid_case_ids
 from kvprobe.reports.folder import Run, load_run
-from kvprobe.repair_rule import RULE, Candidate, Leg, cases_to_establish, cheapest_on, choose, closest, is_repair
+from kvprobe.repair_rule import (RULE, Candidate, Leg, cases_to_establish, cheapest_on, choose, clears, closest,
+                                 is_repair)
 from kvprobe.reports.stats import Stat
 from kvprobe.results import COMPOSE, EDITS, LOCALITY, MEMORY, MEMORY_MANIFEST, VALIDITY, atomic_write_json
 from kvprobe.sweep.summary import FIELD_ABOVE, NOTES_BELOW, verdict
@@ -323,7 +324,7 @@ def composition(run: Run) -> dict | None:
         seam = int(min(rot["seam"], key=lambda s: (abs(s - seam), s)))
     agree = Stat.share(rot[rot["seam"] == seam]["agree"].astype(float))
     st = stat_dict(agree)
-    passed = bool(st["lo"] is not None and st["lo"] >= threshold)  # the gate is the lower bound, as validate's
+    passed = clears(st["lo"], threshold)
     return {"seam": seam, "threshold": threshold, "agreement": st, "passed": passed, "established": passed,
             "sentence": (f"Composition gate {'passes' if passed else 'fails'}: a moved, re-rotated block agrees with "
                          f"a full prefill {stat_text(st)} at seam {seam} (threshold {threshold:g} on the lower "

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.stats import beta
 
+from kvprobe.repair_rule import clears
+
 ALPHA_LOWER = 0.045  # wrongly establishing a repair
 ALPHA_UPPER = 0.005  # wrongly ruling one out (the cost: the oracle where a cheaper repair would do)
 W0 = 0.95  # the share of alpha_lower spent at the first look where an established verdict is possible
@@ -78,7 +80,7 @@ class Sequence:
 
     def verdict(self, k: int, n: int) -> str:
         """``established``, ``ruled out`` or ``open`` after ``k`` agreements in ``n`` pairs."""
-        if self.lower(k, n) >= self.threshold:
+        if clears(self.lower(k, n), self.threshold):
             return "established"
         if self.upper(k, n) < self.threshold:
             return "ruled out"
