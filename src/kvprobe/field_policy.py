@@ -141,7 +141,7 @@ def verify(data, path, parse) -> FieldPolicy:
 
 
 def _verify(data, path: Path, parse) -> FieldPolicy:
-    from kvprobe.results import MODEL_KEYS
+    from kvprobe.identity import KEYS, malformed
     from kvprobe.defaults import THRESHOLD_RANGE, is_threshold
     from kvprobe.stopping.rule import DEGENERATE_SHARE, MIN_DRAWN, FieldResult, decide, is_candidate, relevance
     from kvprobe.stopping.sequence import ALPHA_LOWER, ALPHA_UPPER, Sequence
@@ -173,8 +173,8 @@ def _verify(data, path: Path, parse) -> FieldPolicy:
     if missing:
         bad(f"key {missing[0]!r}", "is missing")
     model = data["model"]
-    if not isinstance(model, dict) or not all(isinstance(model.get(k), str) for k in ("spec", *MODEL_KEYS)):
-        bad("model", f"must hold spec, {', '.join(MODEL_KEYS)}")
+    if not isinstance(model, dict) or malformed(model, ("spec", *KEYS)):
+        bad("model", f"must hold spec, {', '.join(KEYS)}")
     thr = data["threshold"]
     if not is_threshold(thr):
         bad("threshold", f"is {thr!r}, accepted: {THRESHOLD_RANGE}")
@@ -353,12 +353,12 @@ def load_any(path, lm, parse):
         return topk.load(path, lm)
     policy = verify(data, path, parse)
     if lm is not None:
-        from kvprobe.results import MODEL_KEYS
+        from kvprobe.identity import ModelIdentity
 
-        fp = lm.fingerprint()
-        differ = [k for k in MODEL_KEYS if policy.model.get(k) != fp[k]]
+        mine = ModelIdentity.of_model(lm)
+        differ = mine.differ(policy.model)
         if differ:
-            raise KvprobeError(f"{path} was calibrated for {policy.model.get('spec')}, not {fp['spec']} "
+            raise KvprobeError(f"{path} was calibrated for {policy.model.get('spec')}, not {mine.spec} "
                                f"({', '.join(differ)} differ); calibrate this model")
     return policy
 

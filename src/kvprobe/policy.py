@@ -27,6 +27,7 @@ from pydantic import model_validator
 
 from kvprobe import repair_rule
 from kvprobe.errors import KvprobeError
+from kvprobe.identity import HASHES, ModelIdentity, malformed
 from kvprobe.schema import (CI, Count, File, Finite, Number, Seconds, Share, ShareOrNaN, Text, Threshold,
                             check_version, validate)
 
@@ -37,7 +38,6 @@ SCHEMA_VERSION = 4  # 2: the strategies section, a sweep folder exports too; 3: 
 #                    4: the one repair rule (both legs), and per field its kind and repair (``fields``)
 READS = (2, 3, 4)  # a schema-2 K* was chosen on its point estimate; its k_star_status is absent (None)
 TOPK_FILE = "topk.yaml"
-HASHES = {"config_hash": "config", "weights_hash": "weights", "tokenizer_hash": "tokenizer"}  # what identifies a model
 KEYS = ("model", "threshold", "k_star", "erratum_template", "strategies")  # besides schema_version
 EVIDENCE_KEYS = ("spec", "agreement", "agreement_ci95", "n", "control_invariance", "n_controls", "frac_recomputed",
                  "wall_s")
@@ -306,24 +306,24 @@ def load(path: Path | str, lm) -> Policy:
     check_version(path, data["schema_version"], "schema_version", READS, f"{EXPORT} rewrites it")
     missing = [k for k in KEYS if k not in data]
     model = data.get("model")
-    if not missing and not (isinstance(model, dict) and all(isinstance(model.get(h), str) for h in HASHES)):
-        missing = [f"model.{h}" for h in HASHES if not isinstance(model, dict) or not isinstance(model.get(h), str)]
+    if not missing:
+        missing = [f"model.{h}" for h in malformed(model, HASHES)]
     if missing:
         raise KvprobeError(f"{path} is not a topk.yaml (no {', '.join(missing)}); {EXPORT} rewrites it")
     cfg = validate(TopkFile, data, path, TOPK_FILE, f"{EXPORT} rewrites it")
     if lm is not None:
-        check_model(path, model, lm.fingerprint())
+        check_model(path, model, ModelIdentity.of_model(lm))
     return Policy(path=path, model=model, threshold=cfg.threshold, k_star=cfg.k_star, rule=data.get("ranking_rule"),
                   strategies=tuple(Evidence(**e.model_dump()) for e in cfg.strategies),
                   erratum_template=cfg.erratum_template, reason=cfg.reason, k_star_status=cfg.k_star_status,
                   fields={k: v.model_dump() for k, v in (cfg.fields or {}).items()} or None)
 
 
-def check_model(path: Path, stored: dict, mine: dict) -> None:
-    """Refuse a file whose model hashes differ from ``mine`` (a fingerprint), naming the first that differs."""
-    differ = [h for h in HASHES if stored.get(h) != mine.get(h)]
+def check_model(path: Path, stored: dict, mine: ModelIdentity) -> None:
+    """Refuse a file whose model hashes differ from ``mine``, naming the weights' where they differ, else the first."""
+    differ = mine.differ(stored, HASHES)
     if differ:
         h = "weights_hash" if "weights_hash" in differ else differ[0]
         raise KvprobeError(f"{path} is for model {stored.get('spec', '?')} ({HASHES[h]} {str(stored[h])[:8]}..), "
-                           f"not this model ({mine.get('spec', '?')}, {HASHES[h]} {str(mine.get(h))[:8]}..); "
+                           f"not this model ({mine.spec}, {HASHES[h]} {str(getattr(mine, h))[:8]}..); "
                            f"export one from a results folder of this model")

@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvprobe.errors import KvprobeError, UsageError
+from kvprobe.identity import ModelIdentity
 from kvprobe.schema import check_version
 from kvprobe.tables import (ATTENTION, CALIBRATION, CALIBRATION_SUMMARY, COMPOSE, CONCENTRATION, EDITS, FLAG,  # noqa: F401
                             INT, KNOCKOUT, LINEAR, LOCALITY, MEMORY, MEMORY_CALIBRATION, NUMBER, SERVING, SWEEP,
@@ -113,7 +114,6 @@ def refuse_foreign(folder: Path | str, own: str) -> None:
 
 
 INPUTS = "inputs.json"  # what a folder's rows were computed from: the model's and each case's fingerprint
-MODEL_KEYS = ("family", "config_hash", "weights_hash", "tokenizer_hash")  # content, not the spec's path
 
 
 def case_digest(case) -> str:
@@ -133,8 +133,8 @@ def claim_inputs(folder: Path | str, lm, cases=()) -> None:
     now has other content (the folder's rows for it may be done: kvprobe refuses rather than mix);
     new case ids are added. A folder written before this file existed is fingerprinted as it is.
     Call it after :func:`claim_folder`, once the model is loaded."""
-    fp = lm.fingerprint()
-    claim_identity(folder, {k: fp[k] for k in MODEL_KEYS}, fp["spec"], cases)
+    model = ModelIdentity.of_model(lm)
+    claim_identity(folder, model.content(), model.spec, cases)
 
 
 def claim_identity(folder: Path | str, model: dict, name: str, cases=()) -> None:

@@ -65,9 +65,8 @@ def policy_of(lm, spec, results: list, summary: pd.DataFrame, seq: Sequence,
               change_seq: Sequence, candidates: list[str], max_pairs: int) -> dict:
     """The per-field policy (kvprobe.field_policy reads it)."""
     from kvprobe.field_policy import SCHEMA, method_line
-    from kvprobe.results import MODEL_KEYS
+    from kvprobe.identity import ModelIdentity
 
-    fp = lm.fingerprint()
     fields = {}
     for res in results:
         rows = summary[summary.field == res.name]
@@ -87,7 +86,7 @@ def policy_of(lm, spec, results: list, summary: pd.DataFrame, seq: Sequence,
                                         "frac_recomputed": round(r.frac_recomputed, 4),
                                         "to_decision_s": round(r.to_decision_s, 4)} for r in rows.itertuples()},
         }
-    return {"kvprobe_field_policy": SCHEMA, "model": {"spec": fp["spec"], **{k: fp[k] for k in MODEL_KEYS}},
+    return {"kvprobe_field_policy": SCHEMA, "model": ModelIdentity.of_model(lm).as_dict(),
             "template": {"path": spec.path, "sha256": spec.digest(), "prompt_sha256": spec.prompt_digest(),
                          "fields": list(spec.fields)},
             "threshold": seq.threshold, "alpha_lower": ALPHA_LOWER, "alpha_upper": ALPHA_UPPER,

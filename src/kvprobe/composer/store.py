@@ -39,20 +39,20 @@ import torch
 
 from kvprobe.composer.blocks import Block, _dtype_name, check_block, is_mrope
 from kvprobe.errors import KvprobeError
+from kvprobe.identity import HASHES, ModelIdentity
 from kvprobe.results import atomic_write
 
 FORMAT = "kvprobe-block/2"
 READABLE = ("kvprobe-block/1", FORMAT)  # /1: text blocks, before the scheme key
 SUFFIX = ".kvblock.safetensors"
 META_KEY = "kvprobe"
-IDENTITY = ("config_hash", "weights_hash", "tokenizer_hash")
 
 
-def fingerprint(lm) -> dict:
-    """``lm.fingerprint()``, memoised on the loaded model (hashing weights and vocab takes time)."""
-    memo = lm.__dict__.get("_store_fingerprint")
+def identity(lm) -> ModelIdentity:
+    """The model's identity, memoised on the loaded model (hashing weights and vocab takes time)."""
+    memo = lm.__dict__.get("_store_identity")
     if memo is None:
-        memo = lm.__dict__["_store_fingerprint"] = lm.fingerprint()
+        memo = lm.__dict__["_store_identity"] = ModelIdentity.of_model(lm)
     return memo
 
 
@@ -79,13 +79,13 @@ def save_block(block: Block, lm, path: Path | str) -> Path:
     from safetensors.torch import save_file
 
     check_block(lm, block)
-    fp = fingerprint(lm)
+    model = identity(lm)
     tensors = {}
     for layer, (k, v) in enumerate(block.kv):
         tensors[f"k.{layer}"] = k.detach().cpu().contiguous()
         tensors[f"v.{layer}"] = v.detach().cpu().contiguous()
     header = {
-        "format": FORMAT, "model": {key: fp[key] for key in ("spec", "family", *IDENTITY)}, "name": block.name,
+        "format": FORMAT, "model": model.as_dict(), "name": block.name,
         "ids": list(block.ids), "scheme": block.scheme, "positions": block.positions,
         "preamble": list(block.preamble), "dtype": block.dtype, "n_layers": len(block.kv),
         "shapes": [list(k.shape[1:]) for k, _ in block.kv], "rope": _rope(lm),
@@ -121,16 +121,17 @@ def read_header(path: Path | str) -> dict:
 
 
 def _check_identity(path: Path, header: dict, lm) -> None:
-    fp, theirs = fingerprint(lm), header["model"]
+    mine, theirs = identity(lm), header["model"]
     if header.get("scheme") == "mrope" and not is_mrope(lm):
-        raise KvprobeError(f"{path} is an M-RoPE image block; {fp['spec']} rotates by one position id (1-D RoPE): "
+        raise KvprobeError(f"{path} is an M-RoPE image block; {mine.spec} rotates by one position id (1-D RoPE): "
                            f"precompile the block for an M-RoPE model")
-    for key, what in (("config_hash", "another model (config)"), ("weights_hash", "another model (weights)"),
-                      ("tokenizer_hash", "another tokenizer")):
-        if theirs.get(key) != fp[key]:
-            raise KvprobeError(f"{path} was precompiled for {what}: {theirs.get('spec')} has {key} "
-                               f"{theirs.get(key)}, {fp['spec']} has {fp[key]}; precompile the block again "
-                               f"for this model")
+    differ = mine.differ(theirs, HASHES)
+    if differ:  # named by the first of config, weights, tokenizer that differs
+        key = differ[0]
+        what = "another tokenizer" if key == "tokenizer_hash" else f"another model ({HASHES[key]})"
+        raise KvprobeError(f"{path} was precompiled for {what}: {theirs.get('spec')} has {key} "
+                           f"{theirs.get(key)}, {mine.spec} has {getattr(mine, key)}; precompile the block again "
+                           f"for this model")
     if header["dtype"] != _dtype_name(lm):
         raise KvprobeError(f"{path} holds {header['dtype']} K/V but the model is {_dtype_name(lm)}; "
                            f"precompile the block again in the model's dtype")

@@ -96,10 +96,10 @@ class _Worker:
     def ready(self) -> dict:
         if self.error is not None:
             raise self.error
-        from kvprobe.results import MODEL_KEYS
+        from kvprobe.identity import ModelIdentity
 
-        fp = self.ctx.lm.fingerprint()
-        return {"model": {k: fp[k] for k in MODEL_KEYS}, "node": socket.gethostname(), "pid": os.getpid()}
+        return {"model": ModelIdentity.of_model(self.ctx.lm).content(), "node": socket.gethostname(),
+                "pid": os.getpid()}
 
     def run(self, fn, items: list) -> list[tuple[pd.DataFrame, float]]:
         out = []
@@ -148,7 +148,7 @@ class RayExecutor(Executor):
         self.lost = 0  # workers lost (and replaced while retries allowed)
         self._actors: list = []
         self._load_args: dict | None = None
-        self._model: dict | None = None
+        self._model = None  # the driver's ModelIdentity, which every worker must load
         self._started_ray = False
         self._nodes: list[dict] = []
 
@@ -228,8 +228,8 @@ class RayExecutor(Executor):
             except self._ray.exceptions.RayTaskError as exc:
                 self._kill(actors)
                 raise _cause(exc) from None
-            if info["model"] != self._model:
-                differ = sorted(k for k in self._model if info["model"].get(k) != self._model[k])
+            differ = sorted(self._model.differ(info["model"]))
+            if differ:
                 self._kill(actors)
                 raise KvprobeError(f"a Ray worker on {info['node']} loaded other weights for "
                                    f"{self._load_args['spec']} ({', '.join(differ)} differ from this machine's); "
@@ -238,14 +238,13 @@ class RayExecutor(Executor):
         return actors
 
     def _start(self, lm) -> None:
-        from kvprobe.results import MODEL_KEYS
+        from kvprobe.identity import ModelIdentity
 
         args = getattr(lm.info, "_load_args", None)
         if args is None:
             raise UsageError("--executor ray needs a model loaded by spec (kvprobe.load or load_model): a model "
                              "built in this process cannot be loaded again by the workers")
-        fp = lm.fingerprint()
-        model = {k: fp[k] for k in MODEL_KEYS}
+        model = ModelIdentity.of_model(lm)
         if self.gpus and args.get("device", "cpu") == "cpu" and not args.get("device_map"):
             args = {**args, "device": "cuda"}  # a worker given GPUs computes on them; the driver stays where it is
         if self._actors and (args, model) == (self._load_args, self._model):

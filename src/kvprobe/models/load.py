@@ -22,6 +22,7 @@ import torch
 from safetensors import SafetensorError
 
 from kvprobe.errors import EnvironmentProblem, KvprobeError, UsageError
+from kvprobe.identity import ModelIdentity
 from kvprobe.models import bundled
 from kvprobe.models.adapter import Adapter
 from kvprobe.models.attention import use_grouped
@@ -135,9 +136,10 @@ class LoadedModel:
         return self.info._weights_hash
 
     def fingerprint(self) -> dict:
-        """Identity of the exact model: config hash, weights hash, tokenizer hash."""
-        return {"spec": self.info.spec, "family": self.info.family, "config_hash": self.config_hash(),
-                "weights_hash": self.weights_hash(), "tokenizer_hash": tokenizer_hash(self.tokenizer)}
+        """Identity of the exact model (:class:`kvprobe.identity.ModelIdentity`, as a dict): the spec that named
+        it, its family and the hashes of its config, weights and tokenizer."""
+        return ModelIdentity(self.info.spec, self.info.family, self.config_hash(), self.weights_hash(),
+                             tokenizer_hash(self.tokenizer)).as_dict()
 
 
 def tokenizer_hash(tokenizer) -> str:
