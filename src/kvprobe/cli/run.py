@@ -111,7 +111,7 @@ def _print_headline(out: Path, cfg) -> None:
         df = pd.read_parquet(out / EDITS)
         labels = [s.label for s in cfg.edit_strategies()]
         print_summary(df[df.strategy.isin(labels)], False, str(out), cfg.min_flip)
-    summary = write_summary(out)
+    summary = write_summary(out, cfg.threshold)
     console.print("[bold]The answer[/bold]")
     for sentence in json.loads(summary.read_text(encoding="utf-8"))["headline"]:
         console.print(f"- {sentence}", markup=False, highlight=False)

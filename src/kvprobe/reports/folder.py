@@ -16,6 +16,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from kvprobe.defaults import DEFAULT_THRESHOLD
 from kvprobe.errors import KvprobeError
 from kvprobe.editor.topk import TOPK_FILE
 from kvprobe.policy import READS
@@ -79,6 +80,16 @@ class Run:
     @property
     def config(self) -> dict:
         return self.manifest.get("config", {})
+
+    @property
+    def threshold(self) -> float:
+        """What the folder's verdicts are established at: the command's own (``kvprobe run``'s config), else
+        the one its topk.yaml was exported at, else the default. A command that writes its summary passes its
+        threshold instead (:func:`kvprobe.reports.summary.write_summary`); a report or ``compare`` reads this."""
+        if isinstance(self.config.get("threshold"), (int, float)):
+            return float(self.config["threshold"])
+        t = self.topk.get("threshold") if isinstance(self.topk, dict) else None
+        return float(t) if isinstance(t, (int, float)) and 0 <= t <= 1 else DEFAULT_THRESHOLD
 
     @property
     def min_flip(self) -> float:

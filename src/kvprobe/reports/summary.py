@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvprobe.defaults import DEFAULT_THRESHOLD, GATE_SEAM, GATE_THRESHOLD
+from kvprobe.defaults import GATE_SEAM, GATE_THRESHOLD
 from kvprobe.errors import KvprobeError
 from kvprobe.editor.topk import held_out_decisions, k_star_for, k_sweep
 from kvprobe.metrics import summarize_edits, valid_case_ids
@@ -500,13 +500,9 @@ def reason_text(reason: str) -> str:
 
 # -- the summary --------------------------------------------------------------------------------------------
 def summarize_run(run: Run, threshold: float | None = None) -> dict:
-    """The five facts of ``run`` (see the module docstring), ``threshold`` defaulting to its config's,
-    else its topk.yaml's."""
-    if threshold is None and isinstance(run.config.get("threshold"), (int, float)):
-        threshold = float(run.config["threshold"])
-    if threshold is None:
-        t = run.topk.get("threshold") if isinstance(run.topk, dict) else None
-        threshold = float(t) if isinstance(t, (int, float)) and 0 <= t <= 1 else DEFAULT_THRESHOLD
+    """The five facts of ``run`` (see the module docstring) at ``threshold``, by default the one the folder
+    records (:attr:`Run.threshold`)."""
+    threshold = run.threshold if threshold is None else threshold
     rows = strategy_rows(run)
     facts = {"where": where(run), "repair": repair(rows, threshold), "k_star": k_star(run, threshold),
              "composition": composition(run), "validity": validity(run), "weight_edit": weight_edit(run),
@@ -518,7 +514,8 @@ def summarize_run(run: Run, threshold: float | None = None) -> dict:
 
 
 def write_summary(folder: Path | str, threshold: float | None = None) -> Path:
-    """Write ``summary.json`` into the results ``folder`` (atomically); returns its path."""
+    """Write ``summary.json`` into the results ``folder`` (atomically); returns its path. The command that
+    computed the folder passes its ``threshold``; None reads the folder's (:attr:`Run.threshold`)."""
     folder = Path(folder)
     return atomic_write_json(summarize_run(load_run(folder), threshold), folder / SUMMARY)
 
