@@ -78,9 +78,15 @@ def atomic_write_parquet(df: pd.DataFrame, path: Path | str) -> Path:
     return atomic_write(path, lambda tmp: pq.write_table(table, tmp))
 
 
+def json_text(data) -> str:
+    """The one JSON form kvprobe writes, to a file or to stdout (``--json -``): indented, keys sorted, a value
+    JSON lacks (a path, a timestamp) as its string, a final newline."""
+    return json.dumps(data, indent=2, sort_keys=True, default=str) + "\n"
+
+
 def atomic_write_json(data: dict, path: Path | str) -> Path:
-    """Write JSON atomically (sorted keys, indented); returns the path."""
-    return atomic_write(Path(path), lambda tmp: tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str)))
+    """Write :func:`json_text` atomically; returns the path."""
+    return atomic_write(Path(path), lambda tmp: tmp.write_text(json_text(data)))
 
 
 # The file by which each command claims a results folder, holding the settings it ran with.

@@ -173,18 +173,16 @@ def usable_file(out: Path, option: str = "--out") -> Path:
 
 
 def emit_json(data, dest: str | None) -> None:
-    """``--json``'s output: ``data`` as indented JSON on stdout for ``-``, else written atomically to
-    the path (a line on the console says where); nothing without ``dest``."""
-    import json
+    """``--json``'s output: ``data`` as :func:`kvprobe.results.json_text` on stdout for ``-``, else the same
+    text written atomically to the path (a line on the console says where); nothing without ``dest``."""
+    from kvprobe.results import atomic_write, json_text
 
     if dest is None:
         return
-    text = json.dumps(data, indent=2, default=str) + "\n"
+    text = json_text(data)
     if dest == "-":
         sys.stdout.write(text)
         sys.stdout.flush()
         return
-    from kvprobe.results import atomic_write
-
     path = atomic_write(usable_file(Path(dest), "--json"), lambda tmp: tmp.write_text(text))
     console.print(f"wrote {path}", highlight=False)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from kvprobe.errors import EnvironmentProblem, KvprobeError, UsageError
 from kvprobe.paths import downloads_dir, make_dir, models_dir, writable
+from kvprobe.results import json_text
 
 READY_MARKER = "kvprobe_bundled.json"
 TOKENIZER_SUFFIX = ".tokenizer"  # a tokenizer-only folder (fetch_tokenizer) beside the model folders
@@ -294,7 +295,7 @@ def _save_folder(model, tok, folder: Path, meta: dict) -> None:
     if model is not None:
         model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    (tmp / READY_MARKER).write_text(json.dumps(meta, indent=2))
+    (tmp / READY_MARKER).write_text(json_text(meta))
     if folder.exists():
         shutil.rmtree(folder)
     tmp.replace(folder)

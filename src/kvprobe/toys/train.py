@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import math
 import random
 import shutil
@@ -23,6 +22,7 @@ from kvprobe.hardware import machine
 from kvprobe.models.adapter import families
 from kvprobe.models.fingerprint import weights_sha256
 from kvprobe.models.tiny import word_tokenizer
+from kvprobe.results import json_text
 from kvprobe.models.toy_folder import MANIFEST, TOY_SEED, toy_arch, toy_config, toy_dir, toy_family
 from kvprobe.toys.examples import ToyData, training_examples
 from kvprobe.toys.evaluate import EVAL_SEED, OPTIONS, decision_logits, evaluate_toy, threshold_failures
@@ -213,7 +213,7 @@ def save_toy(model, tokenizer, manifest: dict, folder: Path) -> tuple[Path, list
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        (tmp / MANIFEST).write_text(json_text(manifest))
         if folder.exists():
             old = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.old."))
             folder.replace(old / folder.name)
