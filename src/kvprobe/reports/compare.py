@@ -17,7 +17,8 @@ from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.reports.figures import PALETTE, new_figure, styled, to_img
 from kvprobe.reports.folder import load_runs
 from kvprobe.reports.stats import RULE
-from kvprobe.reports.summary import REPAIR_RULE, SCHEMA_VERSION, WHERE_RULE, repair_answer, stat_text, summarize_run
+from kvprobe.reports.numbers import stat_text
+from kvprobe.reports.summary import REPAIR_RULE, SCHEMA_VERSION, WHERE_RULE, repair_answer, summarize_run
 from kvprobe.results import MANIFEST, SWEEP_MANIFEST, atomic_write
 
 COMPARE_VERSION = 1

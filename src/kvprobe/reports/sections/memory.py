@@ -9,7 +9,7 @@ import math
 from kvprobe.reports.folder import Run
 from kvprobe.reports.sections.registry import Section, register
 from kvprobe.reports.stats import nanfloat
-from kvprobe.reports.summary import memory_stat, memory_tables
+from kvprobe.reports.arms import memory_stat, memory_tables
 from kvprobe.tables import MEMORY
 
 SETTINGS = ("n", "n_users", "questions_per_user", "sessions", "session_tokens", "seams", "form", "seed")
