@@ -38,7 +38,7 @@ from kvprobe.datasets import align, generate
 from kvprobe.kv.readout import logit_diff
 from kvprobe.kv import cache as kvcache
 from kvprobe.probes.engine import PairCaches, Patch, patched_reads, read_batch
-from kvprobe.probes.knockout import HeadSet, head_patched_reads
+from kvprobe.probes.engine import HeadSet, head_patched_reads
 from kvprobe.probes.locality import targets
 from tests.conftest import real_model, tiny_model
 

@@ -12,16 +12,8 @@ from kvprobe.errors import KvprobeError
 from kvprobe.kv import cache as kvcache
 from kvprobe.kv.mask import additive_mask
 from kvprobe.probes.base import RESULT_COLUMNS
-from kvprobe.probes.engine import PairCaches, read_batch
-from kvprobe.probes.knockout import (
-    EdgeKnockout,
-    HeadPatch,
-    HeadSet,
-    band_layers,
-    head_inputs,
-    head_patched_reads,
-    knockout_reads,
-)
+from kvprobe.probes.engine import HeadSet, PairCaches, head_inputs, head_patched_reads, knockout_reads, read_batch
+from kvprobe.probes.knockout import EdgeKnockout, HeadPatch, band_layers
 from tests.conftest import TINY, tiny_model
 
 ATOL = 1e-5
@@ -127,7 +119,7 @@ def test_per_layer_band_equals_a_manual_layer_loop(name):
 
 def test_knockout_hooks_are_removed_even_on_error():
     lm, pc = tiny_model("tiny-qwen2"), pair("tiny-qwen2")
-    from kvprobe.probes.knockout import attention_knockout, head_patching
+    from kvprobe.probes.engine import attention_knockout, head_patching
 
     hidden = torch.ones(1, lm.adapter.n_layers, pc.D, dtype=torch.bool)
     with pytest.raises(RuntimeError, match="boom"):
@@ -143,7 +135,7 @@ def test_knockout_hooks_are_removed_even_on_error():
 def test_knockout_also_edits_the_mask_the_model_builds_itself():
     """Under eager attention the model's own 4D mask is edited the same way as our explicit one."""
     lm, pc = tiny_model("tiny-gemma2"), pair("tiny-gemma2")
-    from kvprobe.probes.knockout import attention_knockout
+    from kvprobe.probes.engine import attention_knockout
 
     hidden = torch.zeros(1, lm.adapter.n_layers, pc.D, dtype=torch.bool)
     hidden[0, 1, list(range(pc.D - 10, pc.D))] = True

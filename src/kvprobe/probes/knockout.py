@@ -36,36 +36,22 @@ that already carries causality and the sliding window; the knockout only adds hi
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import pandas as pd
 import torch
-from transformers import DynamicCache
 
 from kvprobe.datasets import AlignedCase
 from kvprobe.kv.readout import logit_diff, option_columns, predicted
 from kvprobe.errors import KvprobeError, UsageError
-from kvprobe.kv import cache as kvcache
-from kvprobe.kv.hooks import hooks
 from kvprobe.probes.base import Inputs, ProbeStage, register, rows, run_each, top_notes
 from kvprobe.results import KNOCKOUT
-from kvprobe.probes.engine import DEFAULT_BATCH_BYTES, PairCaches, Patch, cache_bytes, patched_reads
+from kvprobe.probes.engine import (HeadSet, PairCaches, head_inputs, head_patched_reads, knockout_reads,
+                                   single_position_effects)
 from kvprobe.probes.locality import targets
 
 BANDS = ("all", "early", "middle", "late")
-HeadSet = frozenset  # of (layer, head) pairs
-
-ATTN_IMPLEMENTATIONS = ("eager", "kvprobe_eager", "sdpa")  # the ones that honour a 4D attention_mask
-
-
-def _check_attn(lm) -> None:
-    impl = getattr(lm.model.config, "_attn_implementation", None) or "eager"
-    if impl not in ATTN_IMPLEMENTATIONS:
-        raise KvprobeError(f"attention knockout needs an implementation that takes a 4D mask "
-                           f"({', '.join(ATTN_IMPLEMENTATIONS)}); this model uses {impl!r}")
-
 
 # -- layer bands -----------------------------------------------------------------------------
 def band_layers(band: str, n_layers: int) -> tuple[int, ...]:
@@ -83,156 +69,6 @@ def band_layers(band: str, n_layers: int) -> tuple[int, ...]:
         return (int(band[5:]),)
     raise UsageError(f"unknown layer band {band!r}; accepted: all, early, middle, late, "
                      f"layer0..layer{n_layers - 1}")
-
-
-# -- hooks -----------------------------------------------------------------------------------
-def _hide(mask: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """``mask`` (B|1, 1, S, K) with the cache columns in ``hidden`` (B, N), N <= K, disallowed."""
-    B, N = hidden.shape
-    assert mask.ndim == 4 and mask.shape[-1] >= N, (mask.shape, hidden.shape)
-    cols = torch.zeros(B, mask.shape[-1], dtype=torch.bool, device=mask.device)
-    cols[:, :N] = hidden
-    cols = cols[:, None, None, :]  # (B, 1, 1, K)
-    mask = mask.expand(B, *mask.shape[1:])
-    if mask.dtype == torch.bool:  # True = may attend
-        return mask & ~cols
-    return mask.masked_fill(cols, torch.finfo(mask.dtype).min)
-
-
-@contextmanager
-def attention_knockout(lm, hidden: torch.Tensor) -> Iterator[None]:
-    """Hide cache entries from every query of the next forward passes, per layer and batch row.
-
-    ``hidden`` (B, L, N) bool: ``hidden[b, l, j]`` hides cache entry j from row b's queries at
-    layer l. The forward must pass an explicit 4D mask (use :func:`knockout_reads`, or
-    :func:`kvprobe.kv.cache.masked_forward`); a missing mask is refused, never guessed.
-    """
-    _check_attn(lm)
-    assert hidden.ndim == 3 and hidden.shape[1] == lm.adapter.n_layers, hidden.shape
-
-    def make(h: torch.Tensor):
-        def hook(module, args, kwargs):
-            mask = kwargs.get("attention_mask")
-            if mask is None or isinstance(mask, dict):
-                raise KvprobeError("attention knockout needs an explicit 4D attention_mask per layer; "
-                                   "read through knockout_reads or masked_forward")
-            return args, {**kwargs, "attention_mask": _hide(mask, h)}
-        return hook
-
-    with hooks(pre=[(lm.adapter.attention(lm.model, layer), make(hidden[:, layer]))
-                    for layer in range(hidden.shape[1]) if hidden[:, layer].any()], with_kwargs=True):
-        yield
-
-
-@contextmanager
-def head_patching(lm, patches: Sequence[HeadSet], source: torch.Tensor | None) -> Iterator[None]:
-    """Replace head outputs at the last query position of the next forward passes.
-
-    ``patches[b]`` is the set of (layer, head) pairs patched in batch row b. ``source``
-    (L, n_heads * head_dim) holds the replacement o_proj inputs (e.g. :func:`head_inputs` of the
-    new read); None zeroes the heads (head knockout).
-    """
-    ad = lm.adapter
-    L, H, hd = ad.n_layers, ad.n_heads, ad.head_dim
-    B = len(patches)
-    sel = torch.zeros(L, B, H, dtype=torch.bool)  # which heads each row patches, per layer
-    for b, heads in enumerate(patches):
-        for layer, head in heads:
-            if not (0 <= layer < L and 0 <= head < H):
-                raise UsageError(f"no head ({layer}, {head}) in a model of {L} layers x {H} query heads")
-            sel[layer, b, head] = True
-    if source is not None:
-        assert source.shape == (L, H * hd), (source.shape, (L, H * hd))
-
-    def make(layer: int):
-        def hook(module, args):
-            x = args[0]  # (B, S, H * hd)
-            assert x.shape[0] == B and x.shape[-1] == H * hd, (x.shape, B, H * hd)
-            xv = x.reshape(B, x.shape[1], H, hd).clone()  # (B, S, H, hd)
-            rep = (torch.zeros(H, hd, dtype=x.dtype, device=x.device) if source is None
-                   else source[layer].reshape(H, hd).to(x))  # (H, hd)
-            s = sel[layer].to(x.device)[..., None]  # (B, H, 1)
-            xv[:, -1] = torch.where(s, rep[None], xv[:, -1])
-            return (xv.reshape(x.shape), *args[1:])
-        return hook
-
-    with hooks(pre=[(ad.proj(lm.model, layer, "o"), make(layer)) for layer in range(L) if sel[layer].any()]):
-        yield
-
-
-@contextmanager
-def recording_head_inputs(lm, store: dict[int, torch.Tensor]) -> Iterator[None]:
-    """Record every layer's o_proj input at the last query position into ``store[layer]`` (B, H*hd)."""
-
-    def make(layer: int):
-        def hook(module, args):
-            store[layer] = args[0][:, -1].detach().clone()
-        return hook
-
-    with hooks(pre=[(lm.adapter.proj(lm.model, layer, "o"), make(layer)) for layer in range(lm.adapter.n_layers)]):
-        yield
-
-
-# -- batched reads ---------------------------------------------------------------------------
-def _chunks(cache: DynamicCache, n: int, batch_bytes: int) -> Iterator[tuple[int, int]]:
-    per = max(1, batch_bytes // max(1, cache_bytes(cache)))
-    for start in range(0, n, per):
-        yield start, min(n, start + per)
-
-
-def _read(lm, cache: DynamicCache, token: int, position: int, B: int, columns: Sequence[int] | None = None
-          ) -> torch.Tensor:
-    """Decision logits (B, V): ``token`` at ``position`` over B copies of a batch-1 ``cache``
-    (only ``columns`` computed when given)."""
-    batch = kvcache.concat([cache] * B, dim="batch")
-    ids, pos = torch.full((B, 1), token), torch.full((B, 1), position)
-    return kvcache.masked_forward(lm, ids, batch, pos, columns=columns).logits[:, -1]
-
-
-@torch.no_grad()
-def knockout_reads(lm, cache: DynamicCache, token: int, position: int, hidden: torch.Tensor,
-                   batch_bytes: int = DEFAULT_BATCH_BYTES, columns: Sequence[int] | None = None) -> torch.Tensor:
-    """Decision logits (B, V), row b read with the edges ``hidden[b]`` (L, N) removed.
-
-    ``cache`` holds one prompt's positions [0, N) (batch 1) and is left untouched. With ``columns``
-    only those vocabulary ids are computed (the rest are -inf).
-    """
-    assert hidden.ndim == 3 and hidden.shape[2] == kvcache.seq_len(cache), (hidden.shape, kvcache.seq_len(cache))
-    out = []
-    for lo, hi in _chunks(cache, hidden.shape[0], batch_bytes):
-        with attention_knockout(lm, hidden[lo:hi]):
-            out.append(_read(lm, cache, token, position, hi - lo, columns))
-    return torch.cat(out)
-
-
-@torch.no_grad()
-def head_inputs(lm, cache: DynamicCache, token: int, position: int, columns: Sequence[int] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits (V,), o_proj inputs (L, n_heads * head_dim)) of one plain read of ``token``."""
-    store: dict[int, torch.Tensor] = {}
-    with recording_head_inputs(lm, store):
-        logits = _read(lm, cache, token, position, 1, columns)[0]
-    return logits, torch.stack([store[layer][0] for layer in range(lm.adapter.n_layers)])
-
-
-@torch.no_grad()
-def head_patched_reads(lm, cache: DynamicCache, token: int, position: int, patches: Sequence[HeadSet],
-                       source: torch.Tensor | None, batch_bytes: int = DEFAULT_BATCH_BYTES,
-                       columns: Sequence[int] | None = None) -> torch.Tensor:
-    """Decision logits (len(patches), V) with each row's heads patched from ``source`` (None: zeroed);
-    with ``columns`` only those vocabulary ids are computed."""
-    out = []
-    for lo, hi in _chunks(cache, len(patches), batch_bytes):
-        with head_patching(lm, patches[lo:hi], source):
-            out.append(_read(lm, cache, token, position, hi - lo, columns))
-    return torch.cat(out)
-
-
-def single_position_effects(lm, pc: PairCaches, m_of) -> torch.Tensor:
-    """(D,) change of m when one old-cache position takes the new prompt's K/V (all layers)."""
-    ms = m_of(patched_reads(lm, pc, [Patch(()), *(Patch((p,)) for p in range(pc.D))],
-                            columns=option_columns(pc.a.option_ids)))
-    return ms[1:] - ms[0]
 
 
 def _preds(logits: torch.Tensor, a: AlignedCase) -> list[str]:
