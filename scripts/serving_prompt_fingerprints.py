@@ -22,7 +22,7 @@ def fingerprints() -> dict[str, str]:
     from conftest import CHAT_TEMPLATE, make_byte_tokenizer
 
     from kvprobe.calibrate.engine import load_spec
-    from kvprobe.serving.agent import padded_spec
+    from kvprobe.serving.workload import padded_spec
     from kvprobe.serving.bench import load_tokenizer
     from kvprobe.serving.prompts import build_policy
 

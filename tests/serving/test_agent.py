@@ -163,7 +163,7 @@ def test_a_recorded_vllm_chat_stream_gives_the_decision_from_logprobs():
 
 # -- the workload ---------------------------------------------------------------------------------
 def test_the_workload_is_turn_major_and_mostly_inert():
-    from kvprobe.serving.agent import workload
+    from kvprobe.serving.workload import workload
 
     spec = _spec()
     starts, turns = workload(spec, ["tier"], sessions=20, turns=10, gating_share=0.25, seed="s")
