@@ -8,7 +8,8 @@ import re
 import pytest
 
 from kvprobe.datasets.memory import (FACT_BY_KEY, FACTS, FILLER, NEGATIVE_FACTS, generate_memory, next_session_text,
-                                     profile_text, render, segments, session_text, trajectory_text)
+                                     profile_text, render, session_text, trajectory_text)
+from kvprobe.datasets.memory_tokens import segments
 from kvprobe.datasets.words import words
 from kvprobe.errors import UsageError
 from tests.conftest import tiny_model

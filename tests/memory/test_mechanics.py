@@ -11,7 +11,8 @@ import torch
 
 from kvprobe import composer
 from kvprobe.composer.gate import option_token_ids
-from kvprobe.datasets.memory import generate_memory, segments
+from kvprobe.datasets.memory import generate_memory
+from kvprobe.datasets.memory_tokens import segments
 from kvprobe.kv import cache as kvcache
 from kvprobe.memory import arms, question_rows, run_memory, summarize_memory, user_states
 from kvprobe.memory.runner import prefill_state

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from kvprobe.composer.gate import option_token_ids
-from kvprobe.datasets.memory import calibration_memory, generate_memory, segments
+from kvprobe.datasets.memory import calibration_memory, generate_memory
+from kvprobe.datasets.memory_tokens import segments
 from kvprobe.kv import cache as kvcache
 from kvprobe.memory import arms, question_rows, user_states
 from kvprobe.memory import policy as mp

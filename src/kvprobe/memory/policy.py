@@ -29,7 +29,8 @@ import pandas as pd
 import torch
 
 from kvprobe.composer.gate import option_token_ids
-from kvprobe.datasets.memory import MemorySegments, MemorySet, calibration_memory, segments
+from kvprobe.datasets.memory import MemorySet, calibration_memory
+from kvprobe.datasets.memory_tokens import MemorySegments, segments
 from kvprobe.defaults import DEFAULT_THRESHOLD
 from kvprobe.executor import Context, Serial
 from kvprobe.kv import cache as kvcache

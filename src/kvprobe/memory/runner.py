@@ -43,7 +43,8 @@ import torch
 
 from kvprobe.composer import compose, precompile
 from kvprobe.composer.gate import _decide, option_token_ids
-from kvprobe.datasets.memory import MemorySegments, MemorySet, generate_memory, segments
+from kvprobe.datasets.memory import MemorySet, generate_memory
+from kvprobe.datasets.memory_tokens import MemorySegments, segments
 from kvprobe.executor import Context, Serial
 from kvprobe.kv import cache as kvcache
 from kvprobe.kv.decode import Edited, decide
