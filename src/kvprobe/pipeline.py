@@ -14,22 +14,20 @@ recomputed)::
 
 from __future__ import annotations
 
-import hashlib
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
 from kvprobe.composer.gate import run_compose, summarize_compose
-from kvprobe.config import RunConfig, load_cases, precheck_cases, settled
+from kvprobe.config import RunConfig, load_cases, settled
 from kvprobe.datasets import Skip, align, require_answers
 from kvprobe.datasets.tokens import case_tokens
 from kvprobe.editor.causal_rule import fit_rule
 from kvprobe.editor.runner import edit_case
-from kvprobe.editor.strategies import parse_strategy
+from kvprobe.editor.strategies import Selective
 from kvprobe.editor.topk import export_topk, kinds_of_top
 from kvprobe.errors import CheckFailed
 from kvprobe.executor import Context, Serial
@@ -37,6 +35,7 @@ from kvprobe.models import load_model
 from kvprobe.probes import STAGES, Inputs, in_order
 from kvprobe.probes.engine import PairMemo
 from kvprobe.probes.field_following import summarize, validity_row
+from kvprobe.selection import Selection, prepare, split_holdout
 from kvprobe.results import (
     COMPOSE,
     EDITS,
@@ -50,13 +49,6 @@ from kvprobe.results import (
     atomic_write_parquet,
     version_entry,
 )
-
-
-def split_holdout(case_ids: list[str], fraction: float, seed: int) -> tuple[list[str], list[str]]:
-    """Deterministic split by hashed case id: (ranking cases, held-out cases); both non-empty when possible."""
-    keyed = sorted(case_ids, key=lambda c: hashlib.sha256(f"{seed}:{c}".encode()).hexdigest())
-    n_hold = min(len(keyed) - 1, max(1, round(fraction * len(keyed)))) if len(keyed) > 1 else 0
-    return sorted(keyed[n_hold:]), sorted(keyed[:n_hold])
 
 
 class Stopwatch:
@@ -118,30 +110,6 @@ def _probe_case(probe):
     return lambda ctx, a: probe.run_case(ctx.lm, a, ctx.pairs.get(a))
 
 
-@dataclass
-class Selection:
-    """The run's cases: generated or loaded, aligned, checked for validity, and split."""
-
-    cases: list
-    aligned: dict  # case_id -> AlignedCase
-    skipped: list  # Skip, one per case that does not align
-    validity: pd.DataFrame = field(default_factory=pd.DataFrame)
-    valid_ids: list[str] = field(default_factory=list)  # the decision cases probed and edited
-    control_ids: list[str] = field(default_factory=list)  # the valid controls edited (a seeded sample)
-    n_valid_controls: int = 0
-    rank_ids: list[str] = field(default_factory=list)  # learn the causal ranking rule on these
-    held_ids: list[str] = field(default_factory=list)  # and judge it (the K sweep) on these
-    sizing: dict | None = None  # a sized run's targets and how they were met (RunConfig.sizing)
-
-    @property
-    def valid(self) -> list:
-        return [self.aligned[c] for c in self.valid_ids]
-
-    @property
-    def controls(self) -> list:
-        return [self.aligned[c] for c in self.control_ids]
-
-
 def run_folder(cfg: RunConfig, out: Path | str) -> ResultsFolder:
     """``kvprobe run``'s results folder for ``cfg``: claimed by config.json, which a rerun must match
     (with today's defaults filled in)."""
@@ -181,22 +149,6 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None, cases: list | N
     if rule is not None:
         export_topk(out, threshold=cfg.threshold)
     return manifest
-
-
-def prepare(cfg: RunConfig, lm, cases: list) -> Selection:
-    """Align every case and check, before any model work, what would otherwise fail late: every
-    case's length (with its chain-of-thought budget) against the model's window, and every
-    configured strategy against every case (a selective K against its downstream span, an
-    erratum prompt's length)."""
-    sel = Selection(cases, {}, [])
-    for case in cases:
-        a = align(case, lm.tokenizer, cfg.form)
-        if isinstance(a, Skip):
-            sel.skipped.append(a)
-        else:
-            sel.aligned[case.case_id] = a
-    precheck_cases(lm, list(sel.aligned.values()), cfg.edit_strategies(), cfg.cot, cfg.form)
-    return sel
 
 
 def select_cases(cfg: RunConfig, lm, sel: Selection, folder: ResultsFolder, watch: Stopwatch,
@@ -321,7 +273,7 @@ def run_edits_stage(cfg: RunConfig, lm, sel: Selection, rule, folder: ResultsFol
         sweep = []
         if a.case.case_id in held and cot == 0:
             n_down = a.downstream[1] - a.downstream[0]
-            sweep = [parse_strategy(f"selective:{k}:{r}") for k in cfg.ks if k <= n_down for r in rankings]
+            sweep = [Selective(k, r) for k in cfg.ks if k <= n_down for r in rankings]
         case = a if cot == 0 else align(a.case.model_copy(update={"cot": True}), ctx.lm.tokenizer, cfg.form)
         if isinstance(case, Skip):
             return pd.DataFrame()

@@ -131,3 +131,10 @@ def test_kvprobes_version_is_its_installed_metadatas():
     from kvprobe.results import installed_version
 
     assert installed_version("kvprobe") == kvprobe.__version__
+
+
+def test_no_module_past_400_lines():
+    """Issue 51: a module that outgrows 400 lines is split along its seams (as reports/summary.py into
+    reports/arms.py and reports/numbers.py, probes/knockout.py's hooks into probes/engine.py)."""
+    long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}, long
