@@ -97,7 +97,7 @@ def ship(folder: Path) -> Path:
                  "tokenizer_config.json"):
         if (folder / name).exists():
             shutil.copyfile(folder / name, dest / name)
-    (dest / toy_folder.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    (dest / toy_folder.TOY_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return dest
 
 

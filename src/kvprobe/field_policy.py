@@ -332,7 +332,7 @@ def load_any(path, lm, parse):
     for the model ``lm`` (None: no model check); another model's file is refused in one line.
     ``parse`` is :func:`kvprobe.editor.strategies.parse_strategy` (every repair the file names is
     checked with it)."""
-    from kvprobe import policy as topk
+    from kvprobe import policy as policies
 
     from kvprobe import yamlio
 
@@ -342,7 +342,7 @@ def load_any(path, lm, parse):
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
-            text = None  # topk.load says what is wrong with it
+            text = None  # policies.load says what is wrong with it
         try:
             data = yaml.safe_load(text) if text is not None else None
         except yaml.YAMLError:
@@ -350,7 +350,7 @@ def load_any(path, lm, parse):
         if isinstance(data, dict) and "kvprobe_field_policy" in data:
             data = yamlio.load(text, str(path))  # a key given twice is refused
     if not (isinstance(data, dict) and "kvprobe_field_policy" in data):
-        return topk.load(path, lm)
+        return policies.load(path, lm)
     policy = verify(data, path, parse)
     if lm is not None:
         from kvprobe.identity import ModelIdentity

@@ -39,7 +39,7 @@ from kvprobe.selection import Selection, prepare, split_holdout
 from kvprobe.results import (
     COMPOSE,
     EDITS,
-    MANIFEST,
+    RUN_MANIFEST,
     RANKING_RULE,
     RUN_CLAIM,
     TOKENS,
@@ -336,14 +336,14 @@ def write_manifest(cfg: RunConfig, lm, sel: Selection, compose_summary: list[dic
               "ranking_cases": len(sel.rank_ids), "held_out_cases": len(sel.held_ids),
               "skipped": len(sel.skipped), "invalid": int((~validity.valid).sum())}
     manifest = folder.manifest(
-        lm, **version_entry(MANIFEST), config=cfg.model_dump(), n_layers=lm.adapter.n_layers,
+        lm, **version_entry(RUN_MANIFEST), config=cfg.model_dump(), n_layers=lm.adapter.n_layers,
         n_heads=lm.adapter.n_heads, n_kv_heads=lm.adapter.n_kv_heads, seed=cfg.seed, counts=counts,
         skipped=[{"case_id": s.case_id, "reason": s.reason} for s in sel.skipped],
         invalid_reasons=_invalid_reasons(validity), validity=summarize(validity) if len(validity) else {},
         compose=compose_summary, sizing=sel.sizing, tables=sorted(p.name for p in folder.path.glob("*.parquet")),
         wall_s={k: round(v, 2) for k, v in wall_s.items()}, prefill_equivalents=profile or {},
         executor=executor or {"executor": "serial", "workers": 1})
-    folder.write(MANIFEST, manifest)
+    folder.write(RUN_MANIFEST, manifest)
     return manifest
 
 

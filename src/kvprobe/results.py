@@ -25,7 +25,7 @@ from kvprobe.tables import (ATTENTION, CALIBRATION, CALIBRATION_SUMMARY, COMPOSE
                             SWEEP_SUMMARY, TABLE_SCHEMAS, TABLES_SCHEMA, TEXT, TOKENS, TTFT, UNITS, VALIDITY,
                             WEIGHT_EDITS, TableSchema, read_table, table_metadata, table_schema, unit_of)
 
-MANIFEST = "manifest.json"
+RUN_MANIFEST = "manifest.json"
 RANKING_RULE = "ranking_rule.json"
 SERVING_MANIFEST = "serving_manifest.json"
 COMPOSE_MANIFEST = "compose_manifest.json"  # kvprobe validate
@@ -231,7 +231,7 @@ def check_case_ids(case_ids) -> None:
 # Each manifest's version key and the newest version this kvprobe writes (and reads, with the older ones).
 # A manifest from a newer kvprobe is refused, not half-read; a serving or compose manifest written
 # before it had a version key is version 1.
-VERSIONS = {MANIFEST: ("kvprobe_run", 1), SWEEP_MANIFEST: ("kvprobe_sweep", 1),
+VERSIONS = {RUN_MANIFEST: ("kvprobe_run", 1), SWEEP_MANIFEST: ("kvprobe_sweep", 1),
             SERVING_MANIFEST: ("kvprobe_serve_bench", 1), COMPOSE_MANIFEST: ("kvprobe_validate", 1)}
 
 

@@ -17,7 +17,7 @@ from kvprobe.reports.folder import TTFT
 from kvprobe.reports.html import render_html, render_report
 from kvprobe.reports.sections import in_order
 from kvprobe.datasets.tokens import TOKENS
-from kvprobe.results import COMPOSE, EDITS, KNOCKOUT, LINEAR, LOCALITY, MANIFEST
+from kvprobe.results import COMPOSE, EDITS, KNOCKOUT, LINEAR, LOCALITY, RUN_MANIFEST
 
 # every registered section but those drawn from tables the fixture runs do not write
 ALL = [s.id for s in in_order() if s.id not in ("compose", "serving", "weight_edit", "memory")]
@@ -76,7 +76,7 @@ def test_section_only_where_its_table_exists(variant, missing, gone):
 def test_manifest_only_folder_gives_run_facts_only(variant):
     folder = variant()
     for f in folder.iterdir():
-        if f.name != MANIFEST:
+        if f.name != RUN_MANIFEST:
             f.unlink()
     html = render_html([folder])
     assert sections(html) == ["headline", "facts"]  # the answer from the manifest: its valid cases
@@ -110,9 +110,9 @@ def test_nothing_references_the_network_but_the_yaml(variant):
 
 def test_several_folders_one_column_per_model(variant):
     a, b = variant("a"), variant("b")
-    m = json.loads((b / MANIFEST).read_text())
+    m = json.loads((b / RUN_MANIFEST).read_text())
     m["config"]["model"] = "tiny-other"
-    (b / MANIFEST).write_text(json.dumps(m))
+    (b / RUN_MANIFEST).write_text(json.dumps(m))
     (b / KNOCKOUT).unlink()
     html = render_html([a, b])
     assert sections(html) == ALL

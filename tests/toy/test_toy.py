@@ -74,7 +74,8 @@ def test_training_prompts_are_deterministic_and_mixed():
 def test_folder_round_trip(home, family):
     result = small(family)
     assert result.folder == home / "models" / f"toy-{family}"
-    assert {"config.json", "model.safetensors", "tokenizer.json", toy_folder.MANIFEST} <= {p.name for p in result.paths}
+    assert {"config.json", "model.safetensors", "tokenizer.json", toy_folder.TOY_MANIFEST} <= {p.name
+                                                                                              for p in result.paths}
     assert not [p for p in result.folder.parent.iterdir() if p.name.startswith(".")]  # no temp folders left
     model, tokenizer, note = toy_folder.load_toy_folder(result.folder)
     assert note.startswith("toy model trained on the field-edit task")
@@ -106,7 +107,7 @@ def test_manifest_and_load_model(home):
     from kvprobe.models import load_model
 
     result = small("mistral", seed=2, n_eval=16)
-    manifest = json.loads((result.folder / toy_folder.MANIFEST).read_text())
+    manifest = json.loads((result.folder / toy_folder.TOY_MANIFEST).read_text())
     for key in ("seed", "data", "train", "arch", "train_wall_s", "heldout", "weights_sha256", "loss_curve"):
         assert key in manifest
     assert manifest["seed"] == 2 and manifest["train"]["steps"] == SMALL_TRAIN.steps
@@ -125,9 +126,9 @@ def test_manifest_and_load_model(home):
 
 def test_corrupt_weights_are_refused(home):
     result = small("llama")
-    manifest = json.loads((result.folder / toy_folder.MANIFEST).read_text())
+    manifest = json.loads((result.folder / toy_folder.TOY_MANIFEST).read_text())
     manifest["weights_sha256"] = "0" * 64
-    (result.folder / toy_folder.MANIFEST).write_text(json.dumps(manifest))
+    (result.folder / toy_folder.TOY_MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(KvprobeError, match="--force"):
         toy_folder.load_toy_folder(result.folder)
 
@@ -136,7 +137,7 @@ def test_corrupt_weights_are_refused(home):
 def test_corrupt_toy_files_are_one_line_errors(home, damage):
     result = small("qwen3")
     if damage == "manifest":
-        (result.folder / toy_folder.MANIFEST).write_text("{not json")
+        (result.folder / toy_folder.TOY_MANIFEST).write_text("{not json")
     else:
         weights = result.folder / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[:1000])
@@ -145,9 +146,9 @@ def test_corrupt_toy_files_are_one_line_errors(home, damage):
 
 
 def failed_toy(folder, failures=("acc_new 0.967 < 0.98",)):
-    manifest = json.loads((folder / toy_folder.MANIFEST).read_text())
+    manifest = json.loads((folder / toy_folder.TOY_MANIFEST).read_text())
     manifest["heldout_failures"] = list(failures)
-    (folder / toy_folder.MANIFEST).write_text(json.dumps(manifest))
+    (folder / toy_folder.TOY_MANIFEST).write_text(json.dumps(manifest))
     return folder
 
 
@@ -243,7 +244,7 @@ def test_cli_train_and_eval(home, monkeypatch):
     folder = home / "models" / "toy-llama"
     out = runner.invoke(app, ["toy", "train", "--family", "llama", "--steps", "2"])
     assert out.exit_code == 0, out.output
-    assert "acc_erratum" in out.output and (folder / toy_folder.MANIFEST).exists()
+    assert "acc_erratum" in out.output and (folder / toy_folder.TOY_MANIFEST).exists()
     assert "retrained against shipped" in out.output and "weights different from the shipped toy's" in out.output
     assert f"use it with --model {folder}" in out.output.replace("\n", "")
     out = runner.invoke(app, ["toy", "train", "--family", "llama"])

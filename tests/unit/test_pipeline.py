@@ -9,7 +9,7 @@ import pytest
 
 from kvprobe import pipeline as P
 from kvprobe.errors import KvprobeError
-from kvprobe.results import COMPOSE, EDITS, MANIFEST
+from kvprobe.results import COMPOSE, EDITS, RUN_MANIFEST
 from tests.conftest import tiny_model
 
 SMALL = dict(model="tiny-llama", n=4, valid_only=False, probes=["locality"], ks=[1, 2],
@@ -29,7 +29,7 @@ def test_interrupted_run_resumes_without_redoing_finished_cases(lm, tmp_path, mo
     assert len(parts) == edits.case_id.nunique() >= 2
 
     # a crash after the first edit part: the manifest and the later parts never got written
-    (tmp_path / MANIFEST).unlink()
+    (tmp_path / RUN_MANIFEST).unlink()
     for p in parts[1:]:
         p.unlink()
     redone = []

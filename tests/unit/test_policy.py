@@ -21,7 +21,7 @@ from kvprobe.intervals import proportion_ci, wilson_share
 from kvprobe.metrics import proportion
 from kvprobe.results import (
     EDITS,
-    MANIFEST,
+    RUN_MANIFEST,
     RANKING_RULE,
     SWEEP,
     SWEEP_CLAIM,
@@ -69,7 +69,7 @@ def run_edits() -> pd.DataFrame:
 
 def run_folder(folder, fingerprint: dict):
     folder.mkdir()
-    (folder / MANIFEST).write_text(json.dumps({
+    (folder / RUN_MANIFEST).write_text(json.dumps({
         "kvprobe_run": 1, "config": {"model": fingerprint["spec"], "erratum_template": ERRATUM_TEMPLATES["short"]},
         "model": fingerprint, "n_layers": 2}))
     (folder / RANKING_RULE).write_text(json.dumps({

@@ -42,7 +42,7 @@ from kvprobe.tables import CALIBRATION, CALIBRATION_SUMMARY  # noqa: F401  (the 
 DEFAULT_CANDIDATES = ("field_only", "erratum_turn:neutral", "erratum_turn")
 SUMMARY = CALIBRATION_SUMMARY  # the two tables' names are kvprobe.tables'
 POLICY_FILE = "field_policy.yaml"
-MANIFEST = "calibrate_manifest.json"
+CALIBRATE_MANIFEST = "calibrate_manifest.json"
 UNKNOWN_SHARE = 0.2  # a prompt with more [UNK] tokens than this is refused
 
 

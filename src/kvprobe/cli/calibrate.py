@@ -33,8 +33,8 @@ def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calib
     that field the oracle).
     """
     from kvprobe import field_policy
-    from kvprobe.calibrate.engine import (CALIBRATION, MANIFEST, POLICY_FILE, SUMMARY, calibrate as run_calibration,
-                                          load_spec)
+    from kvprobe.calibrate.engine import (CALIBRATE_MANIFEST, CALIBRATION, POLICY_FILE, SUMMARY, load_spec,
+                                          calibrate as run_calibration)
     from kvprobe.editor.strategies import parse_strategy
     from kvprobe.errors import CheckFailed
     from kvprobe.results import CALIBRATE_CLAIM, ResultsFolder, atomic_write_parquet
@@ -65,12 +65,11 @@ def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calib
     atomic_write_parquet(cal.rows, out / CALIBRATION)
     atomic_write_parquet(cal.summary, out / SUMMARY)
     policy_path = field_policy.write(cal.policy, out / POLICY_FILE)
-    folder.write(MANIFEST, folder.manifest(lm, kvprobe_calibrate=1, spec=str(spec), template=cal.policy["template"],
-                                           settings=folder.settings, method=cal.policy["method"],
-                                           prefix_tokens_saved=cal.prefix_tokens_saved,
-                                           executor={**ex.describe(), "pairs_measured_unused": cal.wasted},
-                                           fields={f.name: {"pairs": f.pairs, "skipped": f.skipped,
-                                                            "seconds": round(f.seconds, 1)} for f in cal.fields}))
+    folder.write(CALIBRATE_MANIFEST, folder.manifest(
+        lm, kvprobe_calibrate=1, spec=str(spec), template=cal.policy["template"], settings=folder.settings,
+        method=cal.policy["method"], prefix_tokens_saved=cal.prefix_tokens_saved,
+        executor={**ex.describe(), "pairs_measured_unused": cal.wasted},
+        fields={f.name: {"pairs": f.pairs, "skipped": f.skipped, "seconds": round(f.seconds, 1)} for f in cal.fields}))
     print_table(cal, model, threshold)
     if cal.wasted:
         console.print(f"{executor}: {cal.wasted} pair(s) measured past a field's stopping point were not counted "

@@ -37,7 +37,7 @@ from kvprobe.repair_rule import cases_at_rate, cases_to_establish, cheapest_on, 
 from kvprobe.stopping.rule import check_threshold
 from kvprobe.results import (
     EDITS,
-    MANIFEST,
+    RUN_MANIFEST,
     RANKING_RULE,
     RUN_MANIFEST_KEYS,
     SWEEP,
@@ -201,19 +201,19 @@ def export_topk(results_dir: Path | str, out: Path | str | None = None,
     results_dir = Path(results_dir)
     if not results_dir.is_dir():
         raise KvprobeError(f"results folder not found: {results_dir}")
-    if not (results_dir / MANIFEST).exists() and ((results_dir / SWEEP_CLAIM).exists()
+    if not (results_dir / RUN_MANIFEST).exists() and ((results_dir / SWEEP_CLAIM).exists()
                                                    or (results_dir / SWEEP_MANIFEST).exists()):
         return export_sweep(results_dir, out, threshold)
-    if not (results_dir / MANIFEST).exists():
-        raise KvprobeError(f"{results_dir} is not a kvprobe results folder (no {MANIFEST} or {SWEEP_MANIFEST}); "
+    if not (results_dir / RUN_MANIFEST).exists():
+        raise KvprobeError(f"{results_dir} is not a kvprobe results folder (no {RUN_MANIFEST} or {SWEEP_MANIFEST}); "
                            f"run `kvprobe run` or `kvprobe sweep` first")
     for name in (EDITS, RANKING_RULE):
         if not (results_dir / name).exists():
             raise KvprobeError(f"{results_dir} has no {name}: run `kvprobe run` with the editor and locality probe")
-    manifest = json_object(results_dir / MANIFEST, RUN_MANIFEST_KEYS, "a `kvprobe run` manifest")
+    manifest = json_object(results_dir / RUN_MANIFEST, RUN_MANIFEST_KEYS, "a `kvprobe run` manifest")
     config = manifest["config"]
     if not isinstance(config, dict) or "erratum_template" not in config:
-        raise KvprobeError(f"{results_dir / MANIFEST} is not a `kvprobe run` manifest (its config has no "
+        raise KvprobeError(f"{results_dir / RUN_MANIFEST} is not a `kvprobe run` manifest (its config has no "
                            f"erratum_template); rerun `kvprobe run`")
     rule = json_object(results_dir / RANKING_RULE, ("held_out_cases", "rule", "kinds_at_top", "max_downstream"),
                        "a ranking rule as `kvprobe run` writes it")

@@ -1,7 +1,7 @@
 """Toy model folders: the six shipped toys, their architecture and manifests, checked loading.
 
 A toy folder is an ordinary Hugging Face folder (config, safetensors, word-level tokenizer) with
-a training manifest (:data:`MANIFEST`: recipe, held-out figures, the CPU it was trained on, and a
+a training manifest (:data:`TOY_MANIFEST`: recipe, held-out figures, the CPU it was trained on, and a
 sha256 of the weights). ``toy-<family>`` is the folder shipped inside the package (seed 0 of the
 recipe in :mod:`kvprobe.toys`), so every machine loads the same weights; a folder made by
 ``kvprobe toy train`` loads by its path. Loading checks the weights against the manifest and
@@ -28,7 +28,7 @@ from kvprobe.models.quiet import first_line, quiet_hf
 from kvprobe.models.tiny import tiny_config
 from kvprobe.paths import models_dir
 
-MANIFEST = "toy_manifest.json"
+TOY_MANIFEST = "toy_manifest.json"
 TOY_SEED = 0
 # The shared architecture; each family's data file adds its own ``toy:`` overrides.
 TOY_ARCH: dict[str, Any] = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
@@ -83,7 +83,7 @@ def shipped_dir(family: str) -> Path:
 
 def read_manifest(folder: Path) -> dict | None:
     """A toy folder's manifest (None when it has none); a corrupt one is a :class:`KvprobeError`."""
-    path = Path(folder) / MANIFEST
+    path = Path(folder) / TOY_MANIFEST
     if not path.exists():
         return None
     try:
@@ -121,7 +121,7 @@ def load_toy_folder(folder: Path | str, *, allow_failed: bool = False):
     folder = Path(folder)
     manifest = read_manifest(folder)
     if manifest is None:
-        raise KvprobeError(f"{folder} has no {MANIFEST}; a toy folder is made by `kvprobe toy train`")
+        raise KvprobeError(f"{folder} has no {TOY_MANIFEST}; a toy folder is made by `kvprobe toy train`")
     family = toy_family(manifest["family"])
     failures = manifest.get("heldout_failures") or []
     if failures and not allow_failed:
@@ -139,7 +139,7 @@ def load_toy_folder(folder: Path | str, *, allow_failed: bool = False):
         raise KvprobeError(f"{folder} does not load as a toy model ({first_line(exc)}); "
                            f"retrain it with `kvprobe toy train --family {family} --force`") from None
     if weights_sha256(model) != manifest["weights_sha256"]:
-        raise KvprobeError(f"{folder} does not match its {MANIFEST} (weights hash differs); "
+        raise KvprobeError(f"{folder} does not match its {TOY_MANIFEST} (weights hash differs); "
                            f"retrain it with `kvprobe toy train --family {family} --force`")
     where = "shipped with kvprobe, trained" if folder.resolve().parent == SHIPPED.resolve() else "trained"
     return model, tokenizer, _note(manifest, where) + (f"; FAILED {'; '.join(failures)}" if failures else "")
@@ -148,7 +148,7 @@ def load_toy_folder(folder: Path | str, *, allow_failed: bool = False):
 def load_toy(spec: str, *, allow_failed: bool = False):
     """(model, tokenizer, note) for the shipped ``toy-<family>``, checked against its manifest."""
     folder = shipped_dir(spec)
-    if not (folder / MANIFEST).exists():
+    if not (folder / TOY_MANIFEST).exists():
         raise KvprobeError(f"the shipped {spec} is missing from the package ({folder}); reinstall kvprobe, or "
                            f"train one with `kvprobe toy train --family {toy_family(spec)}` and pass its folder")
     return load_toy_folder(folder, allow_failed=allow_failed)

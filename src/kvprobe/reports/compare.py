@@ -19,7 +19,7 @@ from kvprobe.reports.folder import load_runs
 from kvprobe.reports.stats import RULE
 from kvprobe.reports.numbers import stat_text
 from kvprobe.reports.summary import REPAIR_RULE, SCHEMA_VERSION, WHERE_RULE, repair_answer, summarize_run
-from kvprobe.results import MANIFEST, SWEEP_MANIFEST, atomic_write
+from kvprobe.results import RUN_MANIFEST, SWEEP_MANIFEST, atomic_write
 
 COMPARE_VERSION = 1
 STAT_KEYS = ("value", "lo", "hi", "n")
@@ -35,8 +35,9 @@ def summaries(folders, threshold: float | None = None) -> list[dict]:
         if (f / SWEEP_MANIFEST).exists():
             raise UsageError(f"{f} is a `kvprobe sweep` folder; compare takes `kvprobe run` folders (a sweep has its "
                              f"own page: `kvprobe report {f}`)")
-        if f.is_dir() and not (f / MANIFEST).exists():
-            raise KvprobeError(f"{f} has no {MANIFEST}: compare takes folders `kvprobe run` finished; rerun it there")
+        if f.is_dir() and not (f / RUN_MANIFEST).exists():
+            raise KvprobeError(f"{f} has no {RUN_MANIFEST}: compare takes folders `kvprobe run` finished; rerun it "
+                               f"there")
     return [summarize_run(run, threshold) for run in load_runs(folders)]
 
 

@@ -22,7 +22,7 @@ from kvprobe.editor.topk import TOPK_FILE
 from kvprobe.policy import READS
 from kvprobe.datasets.tokens import TOKENS
 from kvprobe.results import (ATTENTION, COMPOSE, COMPOSE_MANIFEST, CONCENTRATION, EDITS, KNOCKOUT, LINEAR, LOCALITY,
-                             MANIFEST, MEMORY, MEMORY_MANIFEST, RANKING_RULE, RUN_MANIFEST_KEYS, SERVING,
+                             RUN_MANIFEST, MEMORY, MEMORY_MANIFEST, RANKING_RULE, RUN_MANIFEST_KEYS, SERVING,
                              SERVING_MANIFEST, VALIDITY, WEIGHT_EDITS, json_object, read_table)
 from kvprobe.schema import check_version
 
@@ -51,7 +51,7 @@ NEEDS = {
     MEMORY: ("question_id", "kind", "group", "arm", "correct", "agree", "changed", "tokens_recomputed",
              "frac_recomputed", "wall_s", "decide_s", "error"),
 }
-KNOWN = (MANIFEST, COMPOSE_MANIFEST, SERVING_MANIFEST, WEIGHT_EDIT_MANIFEST, MEMORY_MANIFEST, TOPK_FILE,
+KNOWN = (RUN_MANIFEST, COMPOSE_MANIFEST, SERVING_MANIFEST, WEIGHT_EDIT_MANIFEST, MEMORY_MANIFEST, TOPK_FILE,
          RANKING_RULE) + TABLES
 
 
@@ -108,15 +108,15 @@ def load_run(folder: Path | str, tables: tuple[str, ...] = ()) -> Run:
         raise KvprobeError(f"results folder not found: {folder}")
     present = [name for name in KNOWN + tables if (folder / name).exists()]
     if not present:
-        raise KvprobeError(f"{folder} is not a kvprobe results folder (none of {MANIFEST}, {COMPOSE}, ... found); "
+        raise KvprobeError(f"{folder} is not a kvprobe results folder (none of {RUN_MANIFEST}, {COMPOSE}, ... found); "
                            f"run `kvprobe run`, `kvprobe validate`, `kvprobe serve-bench`, `kvprobe weight-edit` or "
                            f"`kvprobe memory` first")
     run = Run(folder=folder, label="")
-    if (folder / MANIFEST).exists():
-        run.manifest = json_object(folder / MANIFEST, RUN_MANIFEST_KEYS, "a `kvprobe run` manifest")
+    if (folder / RUN_MANIFEST).exists():
+        run.manifest = json_object(folder / RUN_MANIFEST, RUN_MANIFEST_KEYS, "a `kvprobe run` manifest")
         for key in ("config", "model"):
             if not isinstance(run.manifest[key], dict):
-                raise KvprobeError(f"{folder / MANIFEST} is not a `kvprobe run` manifest ({key} is not an object); "
+                raise KvprobeError(f"{folder / RUN_MANIFEST} is not a `kvprobe run` manifest ({key} is not an object); "
                                    f"rerun the command that wrote it, or move the file away")
     if (folder / COMPOSE_MANIFEST).exists():
         run.compose_manifest = json_object(folder / COMPOSE_MANIFEST, what="a `kvprobe validate` manifest")

@@ -4,7 +4,7 @@
 family's own RoPE, norms and soft-capping) over the word-level tokenizer, trained from scratch on
 raw-form prompts of the field-edit generator. Loss is on the answer token only: the logits at the
 last prompt token (the decision position) against the first token of the expected option. Each
-is an ordinary Hugging Face folder with a training manifest (:data:`MANIFEST`) beside it. The six
+is an ordinary Hugging Face folder with a training manifest (:data:`TOY_MANIFEST`) beside it. The six
 toys ship inside the package (:data:`SHIPPED`, seed 0), so every machine loads the same weights;
 ``kvprobe toy train`` reproduces one from its recipe into ``$KVPROBE_HOME/models/toy-<family>/``.
 

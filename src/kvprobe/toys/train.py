@@ -23,7 +23,7 @@ from kvprobe.models.adapter import families
 from kvprobe.models.fingerprint import weights_sha256
 from kvprobe.models.tiny import word_tokenizer
 from kvprobe.results import json_text
-from kvprobe.models.toy_folder import MANIFEST, TOY_SEED, toy_arch, toy_config, toy_dir, toy_family
+from kvprobe.models.toy_folder import TOY_MANIFEST, TOY_SEED, toy_arch, toy_config, toy_dir, toy_family
 from kvprobe.toys.examples import ToyData, training_examples
 from kvprobe.toys.evaluate import EVAL_SEED, OPTIONS, decision_logits, evaluate_toy, threshold_failures
 
@@ -213,7 +213,7 @@ def save_toy(model, tokenizer, manifest: dict, folder: Path) -> tuple[Path, list
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / MANIFEST).write_text(json_text(manifest))
+        (tmp / TOY_MANIFEST).write_text(json_text(manifest))
         if folder.exists():
             old = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.old."))
             folder.replace(old / folder.name)

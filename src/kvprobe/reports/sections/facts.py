@@ -6,7 +6,7 @@ from __future__ import annotations
 from kvprobe.reports.folder import Run
 from kvprobe.reports.sections.registry import Section, register
 from kvprobe.reports.summary import reason_text
-from kvprobe.results import MANIFEST
+from kvprobe.results import RUN_MANIFEST
 
 
 def build_facts(run: Run) -> dict | None:
@@ -52,6 +52,6 @@ def build_facts(run: Run) -> dict | None:
 
 
 SECTION = register(Section(
-    id="facts", title="Run facts", needs=MANIFEST, order=90, build=build_facts, template="sections/facts.html",
+    id="facts", title="Run facts", needs=RUN_MANIFEST, order=90, build=build_facts, template="sections/facts.html",
     intro="Model, fingerprint, dataset, case counts (valid, skipped, invalid with reasons), versions, seed and wall "
           "time."))
