@@ -1,4 +1,4 @@
-"""A shipped toy's held-out evaluation (what tests/toy/test_toy.py reruns for each toy), with
+"""A shipped toy's held-out evaluation (what tests/toys/test_toy.py reruns for each toy), with
 kvprobe's grouped eager attention as it is (scaling, softcap and mask applied in place when there is
 no autograd) against the same attention with each step allocating a new tensor (its form before).
 

@@ -40,7 +40,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIFT = 128  # positions a block is moved by
-TOL_EDIT, TOL_MOVED, TOL_SEAM = 1e-5, 1e-4, 1e-5  # tests/families and tests/kv/test_compose.py's tolerances
+TOL_EDIT, TOL_MOVED, TOL_SEAM = 1e-5, 1e-4, 1e-5  # tests/families and tests/composer/test_compose.py's tolerances
 BEGIN, END = "<!-- scheme table: begin -->", "<!-- scheme table: end -->"
 
 
@@ -143,7 +143,7 @@ def _image_layout(lm):
 
 def shifted_image_block(lm, pre, lead, im, q, shift: int = SHIFT):
     """(the image block of ``pre + lead + image + q`` taken from a joint prefill ``shift`` positions
-    later on all three axes, the prompt's ids): tests/kv/test_image_blocks.py moves it too."""
+    later on all three axes, the prompt's ids): tests/composer/test_image_blocks.py moves it too."""
     from kvprobe.composer import images
     from kvprobe.kv import cache as kvcache
 

@@ -88,7 +88,7 @@ def test_sigterm_is_handled_like_sigint_exit_143_and_the_resume_gives_the_same_t
 
 
 # One worker: what is checked is the driver's signal handling and the resume, which do not depend on
-# how many workers compute (tests/distributed/test_ray.py compares two workers with serial runs); each
+# how many workers compute (tests/executor/test_ray.py compares two workers with serial runs); each
 # worker more is a process that imports torch, in each of the three runs.
 RAY = ("--executor", "ray", "--workers", "1")
 

@@ -44,7 +44,7 @@ def setup():
 
 def test_a_jointly_computed_profile_moved_and_rerotated_is_a_fresh_prefill():
     """The profile's KV from a prefill at other positions (+37), spliced after the next session with
-    re-rotation: the whole cache equals a full prefill of that context (as tests/kv/test_compose.py)."""
+    re-rotation: the whole cache equals a full prefill of that context (as tests/composer/test_compose.py)."""
     lm, data, segs, uid, _ = setup()
     u = segs.users[uid]
     head, profile = segs.preamble + u.next_session, u.profile.ids

@@ -162,7 +162,7 @@ class Parse:
 SMALL_RUN = {"--n": RUN_N}
 TINY_SWEEP = {"--n": "1", "--valid": "1", "--filler-tokens": "0"}
 SLOW_SWEEP = "a sweep of 2-9 cells x 40-90 cases screened each on a real model: an hour or more on 2 cores"
-CLUSTER = "a Ray cluster of several machines: tests/distributed/test_ray.py runs a local one"
+CLUSTER = "a Ray cluster of several machines: tests/executor/test_ray.py runs a local one"
 SLURM = "a Slurm job on GPU nodes"
 VLLM = "needs vLLM's CPU build (3.4 GB, `kvprobe serve setup`) and a server: tests/serving/test_vllm.py runs it"
 CALIBRATE_REAL = ("calibrating the 1.5B takes 10-20 min; toy-qwen2's tokenizer does not cover the template (26 of 104 "

@@ -138,3 +138,18 @@ def test_no_module_past_400_lines():
     reports/arms.py and reports/numbers.py, probes/knockout.py's hooks into probes/engine.py)."""
     long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
     assert long == {}, long
+
+
+# Test folders that are not one of src/kvprobe's rooms, and why.
+ACROSS_ROOMS = {"unit": "the top-level modules (api, pipeline, policy, intervals, identity ...) and the project's own "
+                        "checks (docs, imports, reference tables)",
+                "real": "the bundled real models, through every room", "families": "every model family through the "
+                "rooms' suites", "data": "reference tables and fixtures, no tests"}
+
+
+def test_the_test_folders_mirror_src():
+    """Issue 51: a room's tests are in the folder of its name (tests/editor, tests/composer, tests/executor ...)."""
+    tests = Path(__file__).resolve().parents[1]
+    rooms = {p.name for p in SRC.iterdir() if p.is_dir() and any(p.glob("*.py"))}
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith("__")}
+    assert folders - rooms - set(ACROSS_ROOMS) == set(), folders - rooms - set(ACROSS_ROOMS)

@@ -23,7 +23,7 @@ forward pass over all fresh tokens, which is what the TTFT benchmark times.
 T - s stored entries. This is :func:`kvprobe.kv.decode.recompute_positions` of those ``s``
 positions right after the splice, without copying the cache (a recomputed token attends to
 everything before it and to nothing after it, and the stale entries it replaces lie after it);
-``tests/kv/test_compose.py`` checks the two agree. ``s >= T`` recomputes the whole block, which
+``tests/composer/test_compose.py`` checks the two agree. ``s >= T`` recomputes the whole block, which
 equals a full prefill (the oracle).
 
 **Sliding-window layers (Gemma-2/3, Mistral).** A layer with window W lets the query at
@@ -46,7 +46,7 @@ matters here, namely that composing its jointly computed KV reproduces a full pr
 
 So nothing after a block misses an entry it should see, and nothing sees an entry it should
 not: the mask decides, not the cache length. A block whose stored KV is shorter than its tokens
-(taken from an evicting cache) is refused, never padded. ``tests/kv/test_compose.py`` checks
+(taken from an evicting cache) is refused, never padded. ``tests/composer/test_compose.py`` checks
 blocks longer than the window on tiny-gemma3 and tiny-mistral (window 16).
 
 **Refusals** (``KvprobeError``, one line): a model whose RoPE cannot be re-rotated

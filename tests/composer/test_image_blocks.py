@@ -20,7 +20,7 @@ from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.kv import cache as kvcache
 from tests.conftest import tiny_model
 
-TOL = 1e-4  # tests/kv/test_compose.py's tolerance for moved blocks
+TOL = 1e-4  # tests/composer/test_compose.py's tolerance for moved blocks
 SHIFT = 128
 _spec = importlib.util.spec_from_file_location("scheme_table", Path(__file__).resolve().parents[2] / "scripts" /
                                                "scheme_table.py")
