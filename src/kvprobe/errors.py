@@ -65,6 +65,13 @@ class CheckFailed(KvprobeError):
     exit_code = 1
 
 
+def no_decision_case(model: str, then: str, of: str = "") -> CheckFailed:
+    """The one wording of every command's refusal when ``model`` answered no decision case (``of`` a dataset)
+    right under both values: nothing after it can be judged; ``then`` says what that means for the command."""
+    return CheckFailed(f"{model} answered no decision case{f' of {of}' if of else ''} correctly under both values"
+                       f"{then}")
+
+
 class EnvironmentProblem(KvprobeError):
     """Something outside the inputs is missing or broken: no network, no vLLM, a dead server (exit status 4)."""
 

@@ -29,7 +29,7 @@ from kvprobe.editor.causal_rule import fit_rule
 from kvprobe.editor.runner import edit_case
 from kvprobe.editor.strategies import Selective
 from kvprobe.editor.topk import export_topk, kinds_of_top
-from kvprobe.errors import CheckFailed
+from kvprobe.errors import no_decision_case
 from kvprobe.executor import Context, Serial
 from kvprobe.models import load_model
 from kvprobe.probes import STAGES, Inputs, in_order
@@ -185,9 +185,8 @@ def select_cases(cfg: RunConfig, lm, sel: Selection, folder: ResultsFolder, watc
     if cfg.max_controls is not None and len(sel.control_ids) > cfg.max_controls:
         sel.control_ids = sorted(random.Random(cfg.seed).sample(sel.control_ids, cfg.max_controls))
     if not sel.valid_ids:
-        raise CheckFailed(f"{cfg.model} answered no decision case correctly under both values "
-                          f"({len(sel.aligned)} aligned cases); the probes need a model that decides by the field "
-                          f"(or set valid_only: false to probe it anyway)")
+        raise no_decision_case(cfg.model, f" ({len(sel.aligned)} aligned cases); the probes need a model that decides "
+                                          f"by the field (or set valid_only: false to probe it anyway)")
     sel.rank_ids, sel.held_ids = split_holdout(sel.valid_ids, cfg.holdout, cfg.seed)
     pairs.keep(sel.valid_ids + sel.control_ids)
     atomic_write_parquet(case_tokens(lm, sel.valid + sel.controls), out / TOKENS)

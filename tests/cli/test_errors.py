@@ -280,3 +280,20 @@ def test_a_validators_message_is_unwrapped_in_one_place():
     src = Path(__file__).resolve().parents[2] / "src" / "kvprobe"
     homes = sorted(str(p.relative_to(src)) for p in src.rglob("*.py") if PYDANTIC_PREFIX in p.read_text())
     assert homes == ["errors.py"], homes
+
+
+def test_no_decision_case_is_worded_in_one_place():
+    """`run`, `edit` and `weight-edit` refuse a model that answered no decision case in one wording (exit 1)."""
+    from pathlib import Path
+
+    from kvprobe.errors import CheckFailed, no_decision_case
+
+    err = no_decision_case("toy-qwen2", ", so no edit can be judged", "generated")
+    assert isinstance(err, CheckFailed) and err.exit_code == 1
+    assert str(err) == "toy-qwen2 answered no decision case of generated correctly under both values, so no edit " \
+                       "can be judged"
+    assert str(no_decision_case("m", " (3 aligned cases)")) == "m answered no decision case correctly under both " \
+                                                               "values (3 aligned cases)"
+    src = Path(__file__).resolve().parents[2] / "src" / "kvprobe"
+    homes = sorted(str(p.relative_to(src)) for p in src.rglob("*.py") if "answered no decision case" in p.read_text())
+    assert homes == ["errors.py"], homes

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from kvprobe.cli import options as opt
 from kvprobe.cli.common import console, emit_json, executor_for, load_with_status, progress_bar, usable_out
-from kvprobe.errors import CheckFailed, UsageError
+from kvprobe.errors import UsageError, no_decision_case
 
 
 def edit(ctx: typer.Context, model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "default",
@@ -66,8 +66,7 @@ def edit(ctx: typer.Context, model: opt.Model = opt.DEFAULTS["model"], dataset: 
     n_valid = print_summary(df, all_cases, model, min_flip)
     console.print(f"wrote {path} ({EDITS})")
     if n_valid == 0:
-        raise CheckFailed(f"{model} answered no decision case of {dataset} correctly under both values, so no edit "
-                          f"can be judged; the table in {path} holds the raw rows")
+        raise no_decision_case(model, f", so no edit can be judged; the table in {path} holds the raw rows", dataset)
 
 
 def plain(doc: str) -> str:
