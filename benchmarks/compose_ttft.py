@@ -53,7 +53,7 @@ def main() -> None:
     from kvprobe.models import load_model
 
     lm = load_model(args.model, attn="sdpa")
-    block_store.fingerprint(lm)  # the loaded model's identity: computed once per process, not per request
+    block_store.identity(lm)  # the loaded model's identity: computed once per process, not per request
     tok = lm.tokenizer
     form, head, tail = head_tail(tok, SYSTEM)
 
