@@ -33,7 +33,7 @@ from kvprobe.errors import no_decision_case
 from kvprobe.executor import Context, Serial
 from kvprobe.models import load_model
 from kvprobe.probes import STAGES, Inputs, in_order
-from kvprobe.probes.engine import PairMemo
+from kvprobe.probes.engine import PairMemo, pair_memo
 from kvprobe.probes.field_following import summarize, validity_row
 from kvprobe.selection import Selection, prepare, split_holdout
 from kvprobe.results import (
@@ -79,7 +79,7 @@ def run_probes(cfg: RunConfig, lm, valid: list, folder: ResultsFolder, watch: St
     """
     pairs = pairs or PairMemo(lm)
     executor = executor or Serial()
-    ctx = Context(lm, pairs)
+    ctx = Context(lm, pairs=pairs)
     out = folder.path
     tables: dict[str, pd.DataFrame] = {}
     stages = in_order(cfg.probes)
@@ -107,7 +107,7 @@ def run_probes(cfg: RunConfig, lm, valid: list, folder: ResultsFolder, watch: St
 
 def _probe_case(probe):
     """A per-case probe's task: ``probe.run_case`` on the caches of the process that runs it."""
-    return lambda ctx, a: probe.run_case(ctx.lm, a, ctx.pairs.get(a))
+    return lambda ctx, a: probe.run_case(ctx.lm, a, pair_memo(ctx).get(a))
 
 
 def run_folder(cfg: RunConfig, out: Path | str) -> ResultsFolder:
@@ -157,13 +157,13 @@ def select_cases(cfg: RunConfig, lm, sel: Selection, folder: ResultsFolder, watc
     edited; ``pairs`` keeps the caches of the chosen cases for the later stages."""
     pairs = pairs or PairMemo(lm)
     executor = executor or Serial()
-    ctx = Context(lm, pairs)
+    ctx = Context(lm, pairs=pairs)
     valid_only = cfg.valid_only
 
     def check(ctx, a) -> pd.DataFrame:
-        row = validity_row(ctx.lm, a, ctx.pairs.get(a))
+        row = validity_row(ctx.lm, a, pair_memo(ctx).get(a))
         if not (row["valid"] or (not valid_only and not row["control"])):
-            ctx.pairs.drop(a.case.case_id)  # never probed nor edited
+            pair_memo(ctx).drop(a.case.case_id)  # never probed nor edited
         return pd.DataFrame([row])
 
     sizing = cfg.sizing()
@@ -259,7 +259,7 @@ def run_edits_stage(cfg: RunConfig, lm, sel: Selection, rule, folder: ResultsFol
     on the held-out half. Without CoT a case starts from its old cache in ``pairs`` (kept from
     validity, in the process that checked it; another process builds it again, the same numbers)."""
     executor = executor or Serial()
-    ctx = Context(lm, pairs) if pairs is not None else Context(lm)
+    ctx = Context(lm, pairs=pairs) if pairs is not None else Context(lm)
     learned = rule is not None and rule.n_cases > 0
     base = cfg.edit_strategies()
     rankings = [r for r in cfg.rankings if r != "causal" or learned]
@@ -276,7 +276,7 @@ def run_edits_stage(cfg: RunConfig, lm, sel: Selection, rule, folder: ResultsFol
         case = a if cot == 0 else align(a.case.model_copy(update={"cot": True}), ctx.lm.tokenizer, cfg.form)
         if isinstance(case, Skip):
             return pd.DataFrame()
-        old_cache = ctx.pairs.get(a).old if cot == 0 else None
+        old_cache = pair_memo(ctx).get(a).old if cot == 0 else None
         return edit_case(ctx.lm, case, base, cot, cfg.min_flip, ranking=rule, seed=cfg.seed, model_name=cfg.model,
                          old_cache=old_cache, sweep=sweep)
 

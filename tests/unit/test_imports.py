@@ -153,3 +153,12 @@ def test_the_test_folders_mirror_src():
     rooms = {p.name for p in SRC.iterdir() if p.is_dir() and any(p.glob("*.py"))}
     folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith("__")}
     assert folders - rooms - set(ACROSS_ROOMS) == set(), folders - rooms - set(ACROSS_ROOMS)
+
+
+def test_the_executor_runs_steps_and_knows_no_probe():
+    """The generic executor (serial or Ray) runs any task; what a task keeps per process (the probes' caches
+    of each case) is the task's own (probes.engine.pair_memo), not built by the executor (issue 51)."""
+    graph = module_graph()
+    above = {d for m, deps in graph.items() if room(m) == "kvprobe.executor" for d in deps
+             if room(d) not in ("kvprobe.executor", "kvprobe.errors", "kvprobe.identity", "kvprobe.models")}
+    assert above == set(), above

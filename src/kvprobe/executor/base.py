@@ -14,22 +14,13 @@ EXECUTORS = ("serial", "ray")
 
 
 class Context:
-    """What a task gets in the process that runs it: the model (``lm``), that process's
-    :class:`~kvprobe.probes.engine.PairMemo` (each case's caches, built once per process) and
-    :meth:`keep` for other per-process state a task reuses across items (a shared prefix)."""
+    """What a task gets in the process that runs it: the model (``lm``) and :meth:`keep` for per-process
+    state a task reuses across items (the probes' caches of each case, a shared prefix). ``kept`` hands
+    in state the driver already holds (a serial run shares its own; a Ray worker builds its own)."""
 
-    def __init__(self, lm, pairs=None):
+    def __init__(self, lm, **kept):
         self.lm = lm
-        self._pairs = pairs
-        self.memo: dict[str, Any] = {}
-
-    @property
-    def pairs(self):
-        if self._pairs is None:
-            from kvprobe.probes.engine import PairMemo
-
-            self._pairs = PairMemo(self.lm)
-        return self._pairs
+        self.memo: dict[str, Any] = dict(kept)
 
     def keep(self, name: str, build: Callable[[Any], Any]):
         """``build(lm)`` the first time ``name`` is asked for in this process, the same object after."""
