@@ -173,7 +173,7 @@ def _verify(data, path: Path, parse) -> FieldPolicy:
     if missing:
         bad(f"key {missing[0]!r}", "is missing")
     model = data["model"]
-    if not isinstance(model, dict) or malformed(model, ("spec", *KEYS)):
+    if malformed(model, ("spec", *KEYS)):
         bad("model", f"must hold spec, {', '.join(KEYS)}")
     thr = data["threshold"]
     if not is_threshold(thr):

@@ -34,7 +34,8 @@ RULE = ("the cheapest repair (share of tokens recomputed, then time to the decis
 def clears(lower: float | None, threshold: float) -> bool:
     """The gate, one rule for every verdict kvprobe gives on a share (a repair's leg, ``kvprobe validate``'s
     composition gate, the report's headline, K*, calibrate's sequences): its lower bound is at or above
-    ``threshold``. A bound that is missing or NaN (nothing measured) never clears."""
+    ``threshold``. A bound that is missing or NaN (nothing measured) never clears. An array of bounds gives
+    the rule element by element (calibrate's coverage simulation applies it so)."""
     return lower is not None and lower >= threshold  # NaN compares False
 
 

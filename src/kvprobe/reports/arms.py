@@ -8,7 +8,7 @@ import pandas as pd
 
 from kvprobe.errors import KvprobeError
 from kvprobe.reports.folder import Run
-from kvprobe.reports.numbers import _num, stat_dict, stat_text
+from kvprobe.reports.numbers import num, stat_dict, stat_text
 from kvprobe.reports.stats import Stat
 from kvprobe.results import MEMORY, MEMORY_MANIFEST
 
@@ -29,11 +29,11 @@ def weight_edit(run: Run) -> dict | None:
         measured = r.contamination_basis == MEASURED
         arms.append({
             "arm": r.strategy, "method": r.method,
-            "agreement": {"value": _num(r.agreement), "lo": _num(r.agreement_lo), "hi": _num(r.agreement_hi),
+            "agreement": {"value": num(r.agreement), "lo": num(r.agreement_lo), "hi": num(r.agreement_hi),
                           "n": int(r.n)},
-            "to_decision_s": _num(r.to_decision_s), "setup_s": _num(r.setup_s),
-            "contamination": ({"value": _num(r.contamination), "lo": _num(r.contamination_lo),
-                               "hi": _num(r.contamination_hi), "n": int(r.contamination_n)} if measured else None),
+            "to_decision_s": num(r.to_decision_s), "setup_s": num(r.setup_s),
+            "contamination": ({"value": num(r.contamination), "lo": num(r.contamination_lo),
+                               "hi": num(r.contamination_hi), "n": int(r.contamination_n)} if measured else None),
             "contamination_basis": r.contamination_basis, "contamination_reads": int(r.contamination_reads)})
     shown = [a for a in arms if a["method"] == "lora"] + [a for a in arms if a["arm"] == "erratum"]
     sentence = "Weight edit: " + "; ".join(
@@ -75,15 +75,15 @@ def memory(run: Run) -> dict | None:
     summ, tost, _, _ = tables
     arms = [{"group": r.group, "arm": r.arm, "questions": int(r.n_questions), "errors": int(r.n_errors),
              **{name: stat_dict(memory_stat(r, name)) for name in ("accuracy", "agreement", "negative_changed")},
-             "tokens_recomputed": _num(r.tokens_recomputed, 1), "frac_recomputed": _num(r.frac_recomputed),
-             "wall_s": _num(r.wall_s, 5), "decide_s": _num(r.decide_s, 5),
+             "tokens_recomputed": num(r.tokens_recomputed, 1), "frac_recomputed": num(r.frac_recomputed),
+             "wall_s": num(r.wall_s, 5), "decide_s": num(r.decide_s, 5),
              "repairs": getattr(r, "repairs", "") or None} for r in summ.itertuples()]
     tests = [{"arm": r.arm, "against": r.against, "n": int(r.n), "only_a": int(r.only_a), "only_b": int(r.only_b),
-              "difference": {"value": _num(r.diff), "lo": _num(r.lo), "hi": _num(r.hi), "n": int(r.n)},
-              "confidence": _num(r.confidence), "margin": _num(r.margin), "equivalent": bool(r.equivalent)}
+              "difference": {"value": num(r.diff), "lo": num(r.lo), "hi": num(r.hi), "n": int(r.n)},
+              "confidence": num(r.confidence), "margin": num(r.margin), "equivalent": bool(r.equivalent)}
              for r in tost.itertuples()]
     p = run.memory_manifest.get("policy")
-    policy = ({"threshold": _num(p.get("threshold")),
+    policy = ({"threshold": num(p.get("threshold")),
                "fields": {str(fact): {"repair": d.get("repair"), "verdict": d.get("verdict"),
                                       "elements": d.get("elements")}
                           for fact, d in (p.get("fields") or {}).items()}} if isinstance(p, dict) else None)

@@ -8,7 +8,8 @@ import math
 
 from kvprobe.reports.stats import Stat
 
-def _num(x, digits: int = 4):
+def num(x, digits: int = 4):
+    """``x`` as a float rounded to ``digits``; None where it is not a finite number."""
     try:
         x = float(x)
     except (TypeError, ValueError):
@@ -20,7 +21,7 @@ def stat_dict(st: Stat | None) -> dict | None:
     """``{"value", "lo", "hi", "n"}`` (nulls where not measured); None for no Stat."""
     if st is None:
         return None
-    return {"value": _num(st.mean), "lo": _num(st.lo), "hi": _num(st.hi), "n": int(st.n)}
+    return {"value": num(st.mean), "lo": num(st.lo), "hi": num(st.hi), "n": int(st.n)}
 
 
 def stat_text(d: dict | None, digits: int = 2) -> str:

@@ -45,7 +45,7 @@ from kvprobe.reports.folder import Run, load_run
 from kvprobe.repair_rule import (RULE, Candidate, Leg, cases_to_establish, cheapest_on, choose, clears, closest,
                                  is_repair)
 from kvprobe.reports.arms import memory, weight_edit
-from kvprobe.reports.numbers import _num, stat_dict, stat_text
+from kvprobe.reports.numbers import num, stat_dict, stat_text
 from kvprobe.reports.stats import Stat
 from kvprobe.results import COMPOSE, EDITS, LOCALITY, VALIDITY, atomic_write_json
 from kvprobe.sweep.summary import FIELD_ABOVE, NOTES_BELOW, verdict
@@ -112,8 +112,8 @@ def strategy_rows(run: Run) -> list[dict]:
             row |= {"agreement": stat_dict(Stat(r.agreement, r.agreement_lo, r.agreement_hi,
                                                 int(r.n) - errors)),
                     "recovery": stat_dict(Stat(r.recovery, r.recovery_lo, r.recovery_hi, int(r.n_recovery))),
-                    "frac_recomputed": _num(r.frac_recomputed), "repair_s": _num(r.wall_s, 5),
-                    "to_decision_s": _num(r.to_decision_s, 5)}
+                    "frac_recomputed": num(r.frac_recomputed), "repair_s": num(r.wall_s, 5),
+                    "to_decision_s": num(r.to_decision_s, 5)}
         else:
             row |= {"agreement": None, "recovery": None, "frac_recomputed": None, "repair_s": None,
                     "to_decision_s": None}

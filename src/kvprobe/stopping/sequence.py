@@ -110,13 +110,13 @@ def simulate_coverage(p: float, seq: Sequence, trials: int = 10_000, max_n: int 
     k = np.concatenate([np.zeros((trials, 1), int), np.cumsum(x, axis=1)], axis=1)  # k[t, n]
     n = np.arange(max_n + 1)[None, :]
     lo, up = lower[n, k], upper[n, k]
-    decided = (lo >= seq.threshold) | (up < seq.threshold)
+    decided = clears(lo, seq.threshold) | (up < seq.threshold)
     decided[:, 0] = False
     decided[:, max_n] = True
     stop = decided.argmax(axis=1)
     rows = np.arange(trials)
     lo_s, up_s = lo[rows, stop], up[rows, stop]
-    est = lo_s >= seq.threshold
+    est = clears(lo_s, seq.threshold)
     out = up_s < seq.threshold
     wrong = (est & (p < seq.threshold)) | (out & (p >= seq.threshold))
     return {"p": p, "trials": trials, "max_pairs": max_n, "coverage": float(((lo_s <= p) & (p <= up_s)).mean()),
