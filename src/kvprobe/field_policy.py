@@ -26,14 +26,17 @@ import yaml
 
 from kvprobe.errors import KvprobeError
 
-SCHEMA = 3  # 3: each agreement's k, the prompt's digest, same_id_pairs, the verdict unmeasurable
-READS = (2, 3)  # a version-2 file's k are its value times n (written to 4 decimals: exact up to 200 pairs)
+SCHEMA = 4  # 3: each agreement's k, the prompt's digest, same_id_pairs, the verdict unmeasurable; 4: the
+# candidates tested as a chain (procedure: chain), each agreement's n its own pairs, "not measured"
+READS = (2, 3, 4)  # a version-2 file's k are its value times n (written to 4 decimals: exact up to 200 pairs)
 WRITER = "`kvprobe calibrate`"
 VERDICTS = ("established", "budget", "degenerate", "unmeasurable")
 DEFAULT = "oracle"  # what a field the policy did not calibrate gets: the only default kvprobe writes
 TOL = 2e-4  # a recorded bound (written to 4 decimals) against the one recomputed from its counts
-TOP_KEYS = ("kvprobe_field_policy", "model", "template", "threshold", "alpha_lower", "alpha_upper", "candidates",
-            "max_pairs", "method", "default", "fields")
+TOP_KEYS = ("kvprobe_field_policy", "model", "template", "threshold", "alpha_lower", "alpha_upper", "procedure",
+            "candidates", "max_pairs", "method", "default", "fields")
+PROCEDURES = {"chain": "the candidates one after another, each on its own pairs",
+              "shared": "every candidate on every pair, alpha_lower shared"}
 FIELD_KEYS = ("repair", "verdict", "reason", "relevance", "pairs", "skipped_pairs", "same_id_pairs", "change_rate",
               "seconds", "strategies")
 STRATEGY_KEYS = ("agreement", "spurious_flips", "n_unchanged", "flip_hi", "verdict", "frac_recomputed",
@@ -41,9 +44,11 @@ STRATEGY_KEYS = ("agreement", "spurious_flips", "n_unchanged", "flip_hi", "verdi
 
 
 def method_line(seq) -> str:
+    lower = (f"lower {seq.alpha:.4g} for each of {seq.m} candidates tested as a chain (the chosen one wrongly "
+             f"established with probability <= {seq.alpha_lower:g} over {seq.chain} pairs)" if seq.chain else
+             f"lower {seq.alpha_lower:g} shared by {seq.m} candidates")
     return (f"confidence sequence: one-sided Clopper-Pearson bounds, alpha spent over the looks "
-            f"(lower {seq.alpha_lower:g} shared by {seq.m} candidates, {seq.w0:g} of it at pair {seq.n0}; upper "
-            f"{seq.alpha_upper:g}, 6/(pi^2 n^2) per look)")
+            f"({lower}, {seq.w0:g} of it at pair {seq.n0}; upper {seq.alpha_upper:g}, 6/(pi^2 n^2) per look)")
 
 
 def prompt_digest(template: str, question: str, options, system: str | None) -> str:
@@ -143,7 +148,8 @@ def verify(data, path, parse) -> FieldPolicy:
 def _verify(data, path: Path, parse) -> FieldPolicy:
     from kvprobe.identity import KEYS, malformed
     from kvprobe.defaults import THRESHOLD_RANGE, is_threshold
-    from kvprobe.stopping.rule import DEGENERATE_SHARE, MIN_DRAWN, FieldResult, decide, is_candidate, relevance
+    from kvprobe.stopping.rule import (DEGENERATE_SHARE, MIN_DRAWN, NOT_MEASURED, FieldResult, chain_problem, decide,
+                                       is_candidate, relevance)
     from kvprobe.stopping.sequence import ALPHA_LOWER, ALPHA_UPPER, Sequence
 
     def bad(where: str, what: str):
@@ -166,12 +172,16 @@ def _verify(data, path: Path, parse) -> FieldPolicy:
     version = data.get("kvprobe_field_policy")
     if type(version) is not int or version not in READS:
         bad("kvprobe_field_policy", f"is {version!r}, this kvprobe reads {' and '.join(map(str, READS))}")
-    extra = [k for k in data if k not in TOP_KEYS]
+    keys = TOP_KEYS if version >= 4 else tuple(k for k in TOP_KEYS if k != "procedure")
+    extra = [k for k in data if k not in keys]
     if extra:
-        bad(f"key {extra[0]!r}", f"is not a field policy's; its keys: {', '.join(TOP_KEYS)}")
-    missing = [k for k in TOP_KEYS if k not in data]
+        bad(f"key {extra[0]!r}", f"is not a field policy's; its keys: {', '.join(keys)}")
+    missing = [k for k in keys if k not in data]
     if missing:
         bad(f"key {missing[0]!r}", "is missing")
+    procedure = data.get("procedure", "shared")
+    if procedure not in PROCEDURES:
+        bad("procedure", f"is {procedure!r}, accepted: " + "; ".join(f"{k} ({v})" for k, v in PROCEDURES.items()))
     model = data["model"]
     if malformed(model, ("spec", *KEYS)):
         bad("model", f"must hold spec, {', '.join(KEYS)}")
@@ -208,7 +218,8 @@ def _verify(data, path: Path, parse) -> FieldPolicy:
     fields = data["fields"]
     if not isinstance(fields, dict) or not fields:
         bad("fields", "must map each calibrated field to its repair")
-    seq = Sequence(threshold=thr, m=len(cands))
+    chain = procedure == "chain"
+    seq = Sequence(threshold=thr, m=len(cands), chain=max_pairs if chain else 0)
     change_seq = Sequence(threshold=thr)
     checked = {}
     for name, f in fields.items():
@@ -262,12 +273,13 @@ def _verify(data, path: Path, parse) -> FieldPolicy:
             if not isinstance(e, dict) or [k for k in e if k not in STRATEGY_KEYS]:
                 bad(sat, f"must hold {', '.join(STRATEGY_KEYS)}")
             a = e.get("agreement")
-            if not isinstance(a, dict) or a.get("n") != pairs:
+            if not isinstance(a, dict) or (a.get("n") != pairs and not chain):
                 bad(f"{sat}.agreement", f"must hold k and n = the field's {pairs} pairs")
+            n = count(a.get("n"), f"{sat}.agreement.n", 0, pairs) if chain else pairs
             if version >= 3:
-                k = count(a.get("k"), f"{sat}.agreement.k", 0, pairs)
-                if pairs:
-                    close(a.get("value"), k / pairs, f"{sat}.agreement.value")
+                k = count(a.get("k"), f"{sat}.agreement.k", 0, n)
+                if n:
+                    close(a.get("value"), k / n, f"{sat}.agreement.value")
             else:  # version 2 wrote value (4 decimals) and n: k is the one whole number that rounds to it
                 value = a.get("value")
                 if pairs and (not number(value) or abs(value * pairs - round(value * pairs)) > 5e-5 * pairs + 1e-9):
@@ -275,22 +287,29 @@ def _verify(data, path: Path, parse) -> FieldPolicy:
                 k = round(value * pairs) if pairs else 0
                 if not 0 <= k <= pairs:
                     bad(f"{sat}.agreement.value", f"is {value!r}, outside [0, 1]")
-            close(a.get("lo"), seq.lower(k, pairs), f"{sat}.agreement.lo")
-            close(a.get("hi"), seq.upper(k, pairs), f"{sat}.agreement.hi")
-            if e.get("verdict") != seq.verdict(k, pairs):
-                bad(f"{sat}.verdict", f"is {e.get('verdict')!r}, but {k} of {pairs} at {thr:g} give "
-                                      f"{seq.verdict(k, pairs)!r}")
-            unchanged = pairs - changed
-            if e.get("n_unchanged") != unchanged:
-                bad(f"{sat}.n_unchanged", f"is {e.get('n_unchanged')!r}, not the {unchanged} pairs the oracle's "
-                                          f"decision did not change")
-            flips = count(e.get("spurious_flips"), f"{sat}.spurious_flips", 0, min(unchanged, pairs - k))
+            close(a.get("lo"), seq.lower(k, n), f"{sat}.agreement.lo")
+            close(a.get("hi"), seq.upper(k, n), f"{sat}.agreement.hi")
+            want = seq.verdict(k, n) if n or not chain else NOT_MEASURED
+            if e.get("verdict") != want:
+                bad(f"{sat}.verdict", f"is {e.get('verdict')!r}, but {k} of {n} at {thr:g} give {want!r}")
+            if chain:
+                unchanged = count(e.get("n_unchanged"), f"{sat}.n_unchanged", 0, n)
+            else:
+                unchanged = pairs - changed
+                if e.get("n_unchanged") != unchanged:
+                    bad(f"{sat}.n_unchanged", f"is {e.get('n_unchanged')!r}, not the {unchanged} pairs the oracle's "
+                                              f"decision did not change")
+            flips = count(e.get("spurious_flips"), f"{sat}.spurious_flips", 0, min(unchanged, n - k))
             close(e.get("flip_hi"), 1 - seq.lower(unchanged - flips, unchanged) if unchanged else 1.0,
                   f"{sat}.flip_hi")
             frac = e.get("frac_recomputed")
             if not (isinstance(frac, float) and math.isnan(frac)) and not (number(frac) and 0 <= frac <= 1):
                 bad(f"{sat}.frac_recomputed", f"is {frac!r}, accepted: a share in [0, 1]")
-            counts[s] = [k, pairs]
+            counts[s] = [k, n]
+        problem = chain_problem(counts, {s: strategies[s]["n_unchanged"] for s in cands}, seq, pairs, changed) \
+            if chain else None
+        if problem:
+            bad(f"{at}.strategies{problem[0]}", problem[1])
         reason = f["reason"]
         drawn = pairs + skipped
         if verdict in ("degenerate", "unmeasurable"):

@@ -165,7 +165,7 @@ TABLE_SCHEMAS: dict[str, TableSchema] = {
                                       number="change_rate change_lo change_hi agree agree_lo agree_hi agree_changed "
                                              "agree_changed_lo agree_changed_hi flip_rate flip_lo flip_hi "
                                              "frac_recomputed to_decision_s oracle_s seconds",
-                                      whole="pairs skipped n_changed n_unchanged spurious_flips errors",
+                                      whole="pairs n skipped n_changed n_unchanged spurious_flips errors",
                                       flag="chosen"),
     WEIGHT_EDITS: table_schema("a `kvprobe weight-edit` table",
                                text="model case_id strategy ranking pred pred_oracle generated error note chose domain "

@@ -12,7 +12,7 @@ import yaml
 
 import kvprobe
 from kvprobe.calibrate.engine import calibrate, load_spec, measure_pair
-from kvprobe.calibrate.stats import Sequence, first_look, simulate_coverage
+from kvprobe.calibrate.stats import Sequence, chain_alpha, chain_error, first_look, simulate_chain, simulate_coverage
 from kvprobe.calibrate.values import parse_values
 from kvprobe.errors import KvprobeError
 from kvprobe.field_policy import verify
@@ -32,6 +32,34 @@ def test_the_interval_at_the_stopping_time_covers_the_rate(p, m):
     got = simulate_coverage(p, seq, trials=10_000, max_n=300, seed=int(p * 100) + m)
     assert got["coverage"] >= got["nominal"] == pytest.approx(0.95), got
     assert got["wrong_verdicts"] <= seq.alpha_lower + seq.alpha_upper, got
+
+
+@pytest.mark.parametrize("ps", [(0.90,), (0.95,), (0.99,), (0.90,) * 3, (0.95,) * 3, (0.99,) * 3, (0.3, 0.6, 0.949)])
+def test_a_chain_of_candidates_keeps_the_guarantee(ps):
+    """The candidates as a chain (each on fresh pairs, the next joining when one is ruled out; 300
+    pairs): the interval of the candidate in play where the field stopped holds its rate in at least
+    the nominal 95% of 10,000 streams, and the chosen repair is wrongly established (its rate below
+    0.95) less often than alpha_lower, also where the first two are ruled out and the third sits just
+    below the threshold (the chain's worst kind of case)."""
+    seq = Sequence(threshold=0.95, m=len(ps), chain=300)
+    assert seq.alpha == seq.alpha_lower and seq.n0 == 62  # each candidate spends all of it
+    got = simulate_chain(ps, seq, trials=10_000, seed=int(ps[-1] * 100) + len(ps))
+    assert got["coverage"] >= got["nominal"] == pytest.approx(0.95), got
+    assert got["wrongly_established"] <= chain_error(0.95, seq.alpha, len(ps), 300) + 0.005, got
+    assert chain_error(0.95, seq.alpha, len(ps), 300) <= seq.alpha_lower
+
+
+def test_the_chains_error_is_computed_and_its_alpha_cut_where_it_must_be():
+    """chain_error is exact up to its grid: a simulation of the worst kind of case approaches it from
+    below, never above; at threshold 0.5 ten candidates of 300 pairs at the full alpha would exceed
+    0.045 (0.04503), so chain_alpha cuts each one's share until the chain's error is within it."""
+    worst = chain_error(0.95, 0.045, 2, 300)
+    got = simulate_chain((0.3, 0.949), Sequence(threshold=0.95, m=2, chain=300), trials=20_000, seed=7)
+    assert 0.03 < got["wrongly_established"] <= worst + 0.004 and worst <= 0.045, (got, worst)
+    assert chain_error(0.5, 0.045, 10, 300) > 0.045
+    cut = chain_alpha(0.5, 10, 300)
+    assert cut < 0.045 and chain_error(0.5, cut, 10, 300) <= 0.045
+    assert Sequence(threshold=0.5, m=10, chain=300).alpha == cut
 
 
 def test_a_naive_interval_would_not_cover_under_the_same_stopping():
@@ -62,7 +90,8 @@ def test_the_first_look_is_where_an_unbroken_run_first_reaches_the_threshold():
     assert seq.n0 == first_look(0.95, 0.045) == 62
     assert seq.lower(62, 62) >= 0.95 > seq.lower(61, 61)
     assert seq.verdict(62, 62) == "established" and seq.verdict(61, 62) == "open"
-    assert Sequence(threshold=0.95, m=3).n0 == 83  # three candidates share alpha
+    assert Sequence(threshold=0.95, m=3).n0 == 83  # three candidates share alpha (kvprobe memory's policy)
+    assert Sequence(threshold=0.95, m=3, chain=200).n0 == 62  # a chain of three: as one (calibrate)
     assert seq.verdict(10, 30) == "ruled out"
 
 
@@ -153,7 +182,7 @@ def test_calibrate_command_writes_a_policy_and_resumes_with_a_larger_budget(tmp_
     assert first.returncode == 1, first.stderr[-2000:]  # no verdict within 2 pairs: said, exit 1
     assert "no verdict within 2 pairs" in first.stderr
     policy = yaml.safe_load((out / "field_policy.yaml").read_text())
-    assert policy["kvprobe_field_policy"] == 3 and set(policy["fields"]) == {"subscription_tier", "timestamp",
+    assert policy["kvprobe_field_policy"] == 4 and set(policy["fields"]) == {"subscription_tier", "timestamp",
                                                                               "request_id"}
     assert all(f["repair"] == "oracle" and f["verdict"] == "budget" for f in policy["fields"].values())
     # what kvprobe writes, it reads (verified against its own counts and its template)
@@ -177,6 +206,42 @@ def test_calibrate_command_writes_a_policy_and_resumes_with_a_larger_budget(tmp_
                           "--out", out), 2)
     assert "calibration with other settings" in line and "field_order" in line
     assert pd.read_parquet(out / "calibration.parquet").equals(more)  # nothing mixed in
+
+
+def test_a_chain_measures_one_candidate_a_pair_and_moves_on_when_it_is_ruled_out(toy, tmp_path):
+    """cacheblend:0.15 keeps toy-qwen2's stale decision on most gating edits: given first, it is
+    measured alone until ruled out, then field_only joins on the pairs after that one and is
+    established on 62 of its own. Every pair counts for one candidate; the rows hold that one's;
+    the policy verifies, and a policy whose counts do not follow the chain is refused."""
+    data = yaml.safe_load(open(TOY_SPEC))
+    data["fields"] = {"subscription_tier": data["fields"]["subscription_tier"]}
+    data["template"] = data["template"].replace("timestamp: {timestamp}\nrequest_id: {request_id}\n", "")
+    (tmp_path / "tier.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    cal = calibrate(toy, load_spec(tmp_path / "tier.yaml"), candidates=["cacheblend:0.15", "field_only"],
+                    max_pairs=100)
+    (res,) = cal.fields
+    seq = Sequence(threshold=0.95, m=2, chain=100)
+    (kb, nb), (kf, nf) = res.counts["cacheblend:0.15"], res.counts["field_only"]
+    assert seq.verdict(kb, nb) == "ruled out" and seq.verdict(kb - 1, nb - 1) == "open" or \
+        seq.verdict(kb, nb - 1) == "open", (kb, nb)
+    assert (res.chosen, res.verdict, kf, nf, nb + nf) == ("field_only", "established", 62, 62, res.pairs)
+    measured = cal.rows[~cal.rows.strategy.isin(["stale", "oracle"])]
+    assert list(measured.strategy) == ["cacheblend:0.15"] * nb + ["field_only"] * nf  # one a pair, in order
+    entry = cal.policy["fields"]["subscription_tier"]["strategies"]
+    assert entry["cacheblend:0.15"]["agreement"]["n"] == nb and entry["field_only"]["agreement"]["n"] == 62
+    verify(cal.policy, tmp_path / "p.yaml", parse_strategy)
+    moved = yaml.safe_load(yaml.safe_dump(cal.policy))  # one pair more for cacheblend: it was ruled out before
+    e = moved["fields"]["subscription_tier"]["strategies"]["cacheblend:0.15"]
+    e["agreement"].update(n=nb + 1, value=round(kb / (nb + 1), 4), lo=round(seq.lower(kb, nb + 1), 4),
+                          hi=round(seq.upper(kb, nb + 1), 4))
+    e["n_unchanged"] += 1
+    e["flip_hi"] = round(1 - seq.lower(e["n_unchanged"] - e["spurious_flips"], e["n_unchanged"]), 4)
+    with pytest.raises(KvprobeError, match="count .* pairs, but a chain measures one candidate"):
+        verify(moved, tmp_path / "p.yaml", parse_strategy)
+    moved["fields"]["subscription_tier"]["pairs"] += 1
+    moved["fields"]["subscription_tier"]["change_rate"] = None
+    with pytest.raises(KvprobeError, match="change_rate"):
+        verify(moved, tmp_path / "p.yaml", parse_strategy)
 
 
 def spec_context(lm, spec, values, **kwargs) -> kvprobe.EditableContext:

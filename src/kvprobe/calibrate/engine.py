@@ -3,12 +3,13 @@ pairs as the statistics allow.
 
 For each field of the template, pairs are drawn (every field at a value from its set, then this
 field moved to another value), and each pair is run three ways: the stale cache's decision, the
-oracle's (a full re-prefill of the new prompt) and each candidate repair's. A candidate's stream
+oracle's (a full re-prefill of the new prompt) and one candidate repair's. A candidate's stream
 is "its decision equals the oracle's": on a pair where the oracle's decision changed, that is
-agreement; where it did not, it is the absence of a spurious flip. The field stops as soon as the
-confidence sequence (:mod:`kvprobe.stopping.sequence`) allows a verdict for the cheapest candidate
-still in play (candidates are given cheapest first), when every candidate is ruled out (then the
-oracle), or at ``max_pairs``. Pairs whose old and new value have the same token ids change
+agreement; where it did not, it is the absence of a spurious flip. The candidates (given cheapest
+first) form a chain (:mod:`kvprobe.stopping.sequence`): the first is measured until the confidence
+sequence allows it a verdict; once it is ruled out the next joins, on the pairs after that point
+only. The field stops when the candidate in play is established, when every candidate is ruled out
+(then the oracle), or at ``max_pairs``. Pairs whose old and new value have the same token ids change
 nothing the model can see, and pairs whose values tokenise to different lengths cannot be edited in
 place: both are counted, not measured. A field made mostly of them gets no repair verdict: it is
 ``degenerate`` (repair ``none``) where most had the same token ids, else ``unmeasurable`` (the
@@ -239,6 +240,12 @@ def measure_pair(lm, spec: CalibrationSpec, name: str, base: dict[str, str], new
     return df
 
 
+def _in_play(res: FieldResult, seq: Sequence, candidates: list[str]) -> str:
+    """The candidate the chain measures next: the first not ruled out (the last one if all are: the
+    field stops there)."""
+    return next((s for s in candidates if seq.verdict(*res.counts[s]) != "ruled out"), candidates[-1])
+
+
 @dataclass
 class Calibration:
     """What :func:`calibrate` measured: the rows, the per-field summary, and the policy."""
@@ -281,25 +288,36 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
         raise UsageError(f"candidates are repairs to measure, cheapest first (not {', '.join(NOT_CANDIDATES)}); got "
                          f"{', '.join(bad) or 'none'}")
     check_threshold(threshold, "threshold")
-    typed = [parse_strategy(s) for s in candidates]
+    typed = {s: parse_strategy(s) for s in candidates}
     prefix = SharedPrefix(lm)  # the template before its first field: prefilled once, for every field's pairs
     executor = executor or Serial()
     ctx = Context(lm)
     ctx.memo[_PREFIX] = prefix  # a worker process keeps its own
     wasted = executor.wasted
-    seq = Sequence(threshold=threshold, m=len(candidates))
+    seq = Sequence(threshold=threshold, m=len(candidates), chain=max_pairs)
     change_seq = Sequence(threshold=threshold)
     frames, results = [], []
     for name in spec.fields:
         res = FieldResult(name, counts={s: [0, 0] for s in candidates})
-        items = _pairs(spec, name, seed, 2 * max_pairs + 10)  # skipped draws (no oracle run) are not budget
+        # skipped draws (no oracle run) are not budget; each pair is sent with the candidate in play when
+        # it is sent (a parallel executor sends pairs ahead: one that reaches the rule after the next
+        # candidate joined is measured for it here)
+        pair_of = {}
+        items = ((key, (pair_of.setdefault(key, pair), _in_play(res, seq, candidates)))
+                 for key, pair in _pairs(spec, name, seed, 2 * max_pairs + 10))
         start = time.perf_counter()
 
-        def one(ctx, pair, name=name):
-            return measure_pair(ctx.lm, spec, name, pair[0], pair[1], typed, form, ctx.keep(_PREFIX, SharedPrefix))
+        def one(ctx, item, name=name):
+            (base, new), cand = item
+            return measure_pair(ctx.lm, spec, name, base, new, [typed[cand]], form, ctx.keep(_PREFIX, SharedPrefix))
 
         loop = executor.each(parts(name) if parts is not None else None, items, one, ctx)
-        for _, df, _ in loop:
+        for key, df, _ in loop:
+            if not isinstance(df.skip.iloc[0], str):
+                cand = _in_play(res, seq, candidates)
+                if not (df.strategy == cand).any():
+                    df = measure_pair(lm, spec, name, *pair_of[key], [typed[cand]], form, prefix)
+                df = df[df.strategy.isin(["stale", "oracle", cand])].reset_index(drop=True)
             frames.append(df)
             if isinstance(df.skip.iloc[0], str):
                 res.degenerate += bool(df.degenerate.iloc[0])
@@ -312,10 +330,8 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
                 continue
             res.pairs += 1
             res.changed += int(df.changed.iloc[0])
-            for s in candidates:
-                ok = bool(df.loc[df.strategy == s, "agree"].iloc[0])
-                res.counts[s][0] += ok
-                res.counts[s][1] += 1
+            res.counts[cand][0] += bool(df.loc[df.strategy == cand, "agree"].iloc[0])
+            res.counts[cand][1] += 1
             progress(name, res.pairs, max_pairs)
             if decide(res, seq, candidates):
                 break

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kvprobe.stopping.rule import relevance
+from kvprobe.stopping.rule import NOT_MEASURED, relevance
 from kvprobe.stopping.sequence import ALPHA_LOWER, ALPHA_UPPER, Sequence
 
 
@@ -19,10 +19,15 @@ def _share(seq: Sequence, k: int, n: int) -> dict:
             "hi": seq.upper(k, n)}
 
 
+def verdict_of(seq: Sequence, k: int, n: int) -> str:
+    return seq.verdict(k, n) if n else NOT_MEASURED
+
+
 def summarize(rows: pd.DataFrame, results: list, seq: Sequence, change_seq: Sequence,
               candidates: list[str]) -> pd.DataFrame:
-    """One row per (field, strategy): agreement with the oracle over all pairs, on the pairs where
-    the oracle's decision changed, and spurious flips where it did not, each with its interval
+    """One row per (field, strategy): agreement with the oracle over the candidate's own pairs
+    (``n``: a chain measures one candidate a pair, :mod:`kvprobe.stopping.sequence`), on the pairs
+    where the oracle's decision changed, and spurious flips where it did not, each with its interval
     from the confidence sequence; recompute share and repair time; the field's relevance."""
     out = []
     for res in results:
@@ -40,7 +45,7 @@ def summarize(rows: pd.DataFrame, results: list, seq: Sequence, change_seq: Sequ
             flips = int((~same.agree).sum()) if len(same) else 0
             fl = _share(seq, len(same) - flips, len(same))  # the no-flip share's interval, turned around
             out.append({
-                "field": res.name, "strategy": s, "pairs": res.pairs, "skipped": res.skipped,
+                "field": res.name, "strategy": s, "pairs": res.pairs, "n": len(g), "skipped": res.skipped,
                 "change_rate": ch["value"], "change_lo": ch["lo"], "change_hi": ch["hi"],
                 "agree": agree["value"], "agree_lo": agree["lo"], "agree_hi": agree["hi"],
                 "n_changed": len(changed), "agree_changed": on_changed["value"], "agree_changed_lo": on_changed["lo"],
@@ -51,7 +56,7 @@ def summarize(rows: pd.DataFrame, results: list, seq: Sequence, change_seq: Sequ
                 "to_decision_s": float(g.to_decision_s.median()) if len(g) and "to_decision_s" in g
                 else float("nan"),
                 "errors": int(g.error.notna().sum()) if "error" in g else 0,
-                "verdict": seq.verdict(int(g.agree.sum()), len(g)) if len(g) else "open",
+                "verdict": verdict_of(seq, int(g.agree.sum()) if len(g) else 0, len(g)),
                 "oracle_s": oracle_s, "chosen": res.chosen == s, "seconds": res.seconds,
             })
     return pd.DataFrame(out)
@@ -80,15 +85,16 @@ def policy_of(lm, spec, results: list, summary: pd.DataFrame, seq: Sequence,
             "seconds": round(res.seconds, 1),
             "strategies": {r.strategy: {"agreement": {"k": res.counts[r.strategy][0],
                                                       "value": round(r.agree, 4), "lo": round(r.agree_lo, 4),
-                                                      "hi": round(r.agree_hi, 4), "n": int(r.pairs)},
+                                                      "hi": round(r.agree_hi, 4), "n": int(r.n)},
                                         "spurious_flips": int(r.spurious_flips), "n_unchanged": int(r.n_unchanged),
                                         "flip_hi": round(r.flip_hi, 4), "verdict": r.verdict,
                                         "frac_recomputed": round(r.frac_recomputed, 4),
-                                        "to_decision_s": round(r.to_decision_s, 4)} for r in rows.itertuples()},
+                                        "to_decision_s": round(r.to_decision_s, 4) if r.n else None}
+                           for r in rows.itertuples()},
         }
     return {"kvprobe_field_policy": SCHEMA, "model": ModelIdentity.of_model(lm).as_dict(),
             "template": {"path": spec.path, "sha256": spec.digest(), "prompt_sha256": spec.prompt_digest(),
                          "fields": list(spec.fields)},
             "threshold": seq.threshold, "alpha_lower": ALPHA_LOWER, "alpha_upper": ALPHA_UPPER,
-            "candidates": candidates, "max_pairs": max_pairs, "method": method_line(seq),
+            "procedure": seq.procedure, "candidates": candidates, "max_pairs": max_pairs, "method": method_line(seq),
             "default": "oracle", "fields": fields}

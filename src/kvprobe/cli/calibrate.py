@@ -108,7 +108,7 @@ def print_table(cal, model: str, threshold: float) -> None:
             ms = ("-" if r.to_decision_s != r.to_decision_s
                   else f"{1000 * r.to_decision_s:.0f} ({1000 * r.oracle_s:.0f})")
             table.add_row(res.name if i == 0 else "", rel if i == 0 else "", str(res.pairs) if i == 0 else "",
-                          ("* " if r.chosen else "  ") + r.strategy, share(r.agree, r.agree_lo, r.agree_hi, r.pairs),
+                          ("* " if r.chosen else "  ") + r.strategy, share(r.agree, r.agree_lo, r.agree_hi, r.n),
                           share(r.agree_changed, r.agree_changed_lo, r.agree_changed_hi, r.n_changed), flips,
                           f"{r.frac_recomputed:.1%}" if r.frac_recomputed == r.frac_recomputed else "-", ms,
                           r.verdict)

@@ -18,6 +18,7 @@ from kvprobe.repair_rule import NOT_REPAIRS, is_repair
 SAME_IDS = "old and new value have the same token ids"
 DEGENERATE_SHARE = 0.5  # a field whose drawn pairs are mostly not measurable gets no repair verdict
 MIN_DRAWN = 10  # ... once at least this many pairs were drawn
+NOT_MEASURED = "not measured"  # the verdict of a candidate a chain never reached (no pair of its own)
 NOT_CANDIDATES = NOT_REPAIRS  # the two ends (stale, oracle), a rewritten prompt (hoist), a chooser (auto)
 
 
@@ -118,3 +119,28 @@ def relevance(verdict: str, changed: int, pairs: int, change_seq: Sequence) -> s
     if changed == 0:
         return "inert"
     return "gating" if change_seq.lower(changed, pairs) >= 0.5 else "mixed"
+
+
+def chain_problem(counts: dict[str, list[int]], unchanged: dict[str, int], seq: Sequence, pairs: int,
+                  changed: int) -> tuple[str, str] | None:
+    """What in a chain's recorded counts (:mod:`kvprobe.stopping.sequence`) does not follow from
+    the chain, as (where below the field's strategies, what), or None: every measured pair counts for
+    one candidate, so the candidates' pairs add up to the field's and their unchanged pairs to its
+    unchanged ones; a candidate was measured only after each one before it was ruled out, each of
+    those exactly at its last pair (the chain moves on at the first "ruled out")."""
+    cands = list(counts)
+    if sum(n for _, n in counts.values()) != pairs:
+        return "", (f"count {' + '.join(str(n) for _, n in counts.values())} pairs, but a chain measures one "
+                    f"candidate on each of the field's {pairs}")
+    if sum(unchanged.values()) != pairs - changed:
+        return "", (f"hold {sum(unchanged.values())} unchanged pairs, not the {pairs - changed} pairs the oracle's "
+                    f"decision did not change")
+    reached = [s for s in cands if counts[s][1]]
+    last = cands.index(reached[-1]) if reached else 0
+    for s in cands[:last]:
+        k, n = counts[s]
+        earlier = [seq.verdict(k - x, n - 1) for x in (0, 1) if 0 <= k - x <= n - 1]
+        if seq.verdict(k, n) != "ruled out" or "open" not in earlier:
+            return f".{s}", (f"records {k} of {n}, but {cands[last]} was measured after it: a chain moves on only at "
+                             f"the pair where the one before is ruled out")
+    return None

@@ -14,15 +14,32 @@ levels are *spent* over the looks (a fixed alpha-spending schedule, union bound 
 
 So with probability at least ``1 - alpha_lower - alpha_upper`` the true rate lies inside every
 interval of the sequence at once, and hence inside the one reported where the calibration stopped,
-whatever rule chose that moment (``simulate_coverage`` checks it). Where several repairs are tested
-on the same pairs, their lower bounds share ``alpha_lower`` (Bonferroni over ``m``), so the repair a
-calibration establishes is wrongly established with probability at most ``alpha_lower``.
+whatever rule chose that moment (``simulate_coverage`` checks it).
+
+Several repairs of one field are tested one of two ways, so that the repair chosen is wrongly
+established with probability at most ``alpha_lower``:
+
+- **shared** (``chain=0``; ``kvprobe memory``'s policy): every repair is measured on the same pairs and
+  their lower bounds share ``alpha_lower`` (Bonferroni over ``m``): 83 pairs at 0.95 for three;
+- **a chain** (``chain=N``, at most N pairs; ``kvprobe calibrate``): the repairs are tested one after
+  another, cheapest first, each on fresh pairs only, and a repair joins only once the one before it is
+  ruled out (a hierarchical, fixed-order procedure). Only one repair is measured on a pair, so only
+  one can be established, and the error is the sum over the chain of "reached j and wrongly
+  established j". Reaching j takes ruling out the ones before, which is likely only where their own
+  rates lie far below the threshold, where wrongly establishing them is unlikely; so the repairs need
+  not split ``alpha_lower``. How much each may spend is computed, not assumed: :func:`chain_error`
+  gives the exact worst case of the chain's error over every rate of every repair (a recursion over
+  the binomial paths, as group-sequential boundaries are computed: Armitage, McPherson and Rowe 1969;
+  Jennison and Turnbull 2000, ch. 8), and :func:`chain_alpha` the largest share of ``alpha_lower``
+  each repair may spend with that worst case within ``alpha_lower``. At 0.95, three repairs and 200
+  pairs that is all of it: 62 pairs establish a repair, as for one.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 from scipy.stats import beta
@@ -44,17 +61,26 @@ def first_look(threshold: float, alpha: float, w0: float = W0) -> int:
 
 @dataclass(frozen=True)
 class Sequence:
-    """The confidence sequence for one repair (``m`` repairs share the lower bound's alpha)."""
+    """The confidence sequence for one of ``m`` repairs: they share the lower bound's alpha
+    (``chain=0``), or are tested as a chain of at most ``chain`` pairs, each spending
+    :func:`chain_alpha` (see the module's docstring)."""
 
     threshold: float = 0.95
     alpha_lower: float = ALPHA_LOWER
     alpha_upper: float = ALPHA_UPPER
     m: int = 1
     w0: float = W0
+    chain: int = 0
 
     @property
     def alpha(self) -> float:
+        if self.chain:
+            return chain_alpha(self.threshold, self.m, self.chain, self.alpha_lower, self.alpha_upper, self.w0)
         return self.alpha_lower / self.m
+
+    @property
+    def procedure(self) -> str:
+        return "chain" if self.chain else "shared"
 
     @property
     def n0(self) -> int:
@@ -98,6 +124,108 @@ def bounds_table(seq: Sequence, max_n: int) -> tuple[np.ndarray, np.ndarray]:
         lower = np.where((k > 0) & (k <= n), beta.ppf(a_low, np.maximum(k, 1), np.maximum(n - k + 1, 1)), 0.0)
         upper = np.where(k < n, beta.isf(a_up, k + 1, np.maximum(n - k, 1)), 1.0)
     return np.nan_to_num(lower), np.nan_to_num(upper, nan=1.0)
+
+
+def _ends(seq: Sequence, max_n: int, ps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each rate in ``ps``: the probability that one repair's stream, stopped at its first
+    verdict or after ``max_n`` pairs, ends established, and that it ends ruled out (exact: the
+    distribution of agreements carried forward pair by pair, the paths with a verdict removed)."""
+    lower, upper = bounds_table(seq, max_n)
+    est = clears(lower, seq.threshold)
+    out = (upper < seq.threshold) & ~est
+    p = ps[:, None]
+    dist = np.zeros((len(ps), max_n + 2))
+    dist[:, 0] = 1.0
+    established, ruled_out = np.zeros(len(ps)), np.zeros(len(ps))
+    for n in range(1, max_n + 1):
+        nxt = dist * (1 - p)
+        nxt[:, 1:] += dist[:, :-1] * p
+        dist = nxt
+        e, o = est[n, :n + 1], out[n, :n + 1]
+        established += dist[:, :n + 1][:, e].sum(axis=1)
+        ruled_out += dist[:, :n + 1][:, o].sum(axis=1)
+        dist[:, :n + 1][:, e | o] = 0.0
+    return established, ruled_out
+
+
+GRID = 512  # rates on [0, threshold] between which chain_error brackets the worst case
+
+
+@lru_cache(maxsize=64)
+def chain_error(threshold: float, alpha: float, m: int, max_pairs: int, alpha_upper: float = ALPHA_UPPER,
+                w0: float = W0) -> float:
+    """An upper bound, exact up to the grid's bracketing, on the probability that a chain of ``m``
+    repairs (each spending ``alpha`` on its lower bound, at most ``max_pairs`` pairs each) ends with
+    a repair established whose rate is below ``threshold``, over every rate of every repair.
+
+    With ``f(p)`` the chance that a repair at rate ``p`` ends established and ``g(p)`` that it ends
+    ruled out, the worst case of the chain's last ``j`` repairs is ``S_1 = sup_{p<t} f(p)`` and
+    ``S_{j+1} = sup_p [f(p) [p < t] + g(p) S_j]`` (a later repair sees fresh pairs, whatever the
+    earlier ones did). ``f`` rises with ``p`` and ``g`` falls (a stream with more agreements reaches
+    a verdict "established" no later, "ruled out" no sooner), so on a grid cell ``[a, b]`` the term
+    is at most ``f(b) + g(a) S_j``; above the threshold it is at most ``g(t) S_j``. A repair's own
+    budget is what the field has left, at most ``max_pairs``; more pairs only raise ``f`` and ``g``."""
+    seq = Sequence(threshold=threshold, alpha_lower=alpha, alpha_upper=alpha_upper, w0=w0)
+    grid = np.linspace(0.0, threshold, GRID + 1)
+    f, g = _ends(seq, max_pairs, grid)
+    worst = f[-1]
+    for _ in range(m - 1):
+        worst = max(float(np.max(f[1:] + g[:-1] * worst)), float(g[-1] * worst))
+    return float(worst)
+
+
+@lru_cache(maxsize=64)
+def chain_alpha(threshold: float, m: int, max_pairs: int, alpha_lower: float = ALPHA_LOWER,
+                alpha_upper: float = ALPHA_UPPER, w0: float = W0) -> float:
+    """What each repair of a chain of ``m`` may spend on its lower bound: ``alpha_lower`` when the
+    chain's worst-case error (:func:`chain_error`) stays within it, else the largest of
+    ``alpha_lower * (1 - i/20)`` that does (``alpha_lower / m``, Bonferroni's share, always does)."""
+    for i in range(20):
+        alpha = alpha_lower * (1 - i / 20)
+        if alpha <= alpha_lower / m:
+            break
+        if chain_error(threshold, alpha, m, max_pairs, alpha_upper, w0) <= alpha_lower:
+            return alpha
+    return alpha_lower / m
+
+
+def simulate_chain(ps, seq: Sequence, trials: int = 10_000, seed: int = 0) -> dict:
+    """A chain of repairs at rates ``ps`` (cheapest first), each on fresh Bernoulli draws, under the
+    shipped rule (a repair joins when the one before is ruled out; the field stops at the first one
+    established, when all are ruled out, or after ``seq.chain`` pairs in all): how often the interval
+    of the repair in play when the field stopped holds its rate (``coverage``), how often the chosen
+    repair is wrongly established (its rate below the threshold), which one is chosen, and the pairs
+    used."""
+    lower, upper = bounds_table(seq, seq.chain)
+    rng = np.random.default_rng(seed)
+    covered, wrong, chosen, used = 0, 0, np.zeros(len(ps) + 1, int), []
+    for _ in range(trials):
+        total, pick, held = 0, len(ps), True
+        for j, p in enumerate(ps):
+            left = seq.chain - total
+            if left <= 0:
+                break
+            k = np.concatenate([[0], np.cumsum(rng.random(left) < p)])
+            n = np.arange(left + 1)
+            est, out = clears(lower[n, k], seq.threshold), upper[n, k] < seq.threshold
+            verdict = est | out
+            verdict[0] = False
+            stop = int(verdict.argmax()) if verdict.any() else left
+            total += stop
+            held = bool(lower[stop, k[stop]] <= p <= upper[stop, k[stop]])
+            if est[stop]:
+                pick = j
+                wrong += p < seq.threshold
+                break
+            if not out[stop]:
+                break  # the budget ran out on an open repair
+        covered += held
+        chosen[pick] += 1
+        used.append(total)
+    return {"ps": [float(p) for p in ps], "trials": trials, "max_pairs": seq.chain, "alpha_each": seq.alpha,
+            "chosen": {("oracle" if j == len(ps) else j): int(c) for j, c in enumerate(chosen) if c},
+            "coverage": covered / trials, "wrongly_established": wrong / trials,
+            "median_pairs": float(np.median(used)), "nominal": 1 - seq.alpha_lower - seq.alpha_upper}
 
 
 def simulate_coverage(p: float, seq: Sequence, trials: int = 10_000, max_n: int = 400, seed: int = 0) -> dict:
