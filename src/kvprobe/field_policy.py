@@ -35,8 +35,7 @@ DEFAULT = "oracle"  # what a field the policy did not calibrate gets: the only d
 TOL = 2e-4  # a recorded bound (written to 4 decimals) against the one recomputed from its counts
 TOP_KEYS = ("kvprobe_field_policy", "model", "template", "threshold", "alpha_lower", "alpha_upper", "procedure",
             "candidates", "max_pairs", "method", "default", "fields")
-PROCEDURES = {"chain": "the candidates one after another, each on its own pairs",
-              "shared": "every candidate on every pair, alpha_lower shared"}
+PROCEDURES = ("chain", "shared")  # kvprobe.calibrate.engine.PROCEDURES says what each is
 FIELD_KEYS = ("repair", "verdict", "reason", "relevance", "pairs", "skipped_pairs", "same_id_pairs", "change_rate",
               "seconds", "strategies")
 STRATEGY_KEYS = ("agreement", "spurious_flips", "n_unchanged", "flip_hi", "verdict", "frac_recomputed",
@@ -181,7 +180,7 @@ def _verify(data, path: Path, parse) -> FieldPolicy:
         bad(f"key {missing[0]!r}", "is missing")
     procedure = data.get("procedure", "shared")
     if procedure not in PROCEDURES:
-        bad("procedure", f"is {procedure!r}, accepted: " + "; ".join(f"{k} ({v})" for k, v in PROCEDURES.items()))
+        bad("procedure", f"is {procedure!r}, accepted: {', '.join(PROCEDURES)}")
     model = data["model"]
     if malformed(model, ("spec", *KEYS)):
         bad("model", f"must hold spec, {', '.join(KEYS)}")

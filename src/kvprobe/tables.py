@@ -164,7 +164,7 @@ TABLE_SCHEMAS: dict[str, TableSchema] = {
     CALIBRATION_SUMMARY: table_schema("a calibration summary", text="field strategy verdict",
                                       number="change_rate change_lo change_hi agree agree_lo agree_hi agree_changed "
                                              "agree_changed_lo agree_changed_hi flip_rate flip_lo flip_hi "
-                                             "frac_recomputed to_decision_s oracle_s seconds",
+                                             "frac_recomputed to_decision_s oracle_s oracle_prefix_share seconds",
                                       whole="pairs n skipped n_changed n_unchanged spurious_flips errors",
                                       flag="chosen"),
     WEIGHT_EDITS: table_schema("a `kvprobe weight-edit` table",

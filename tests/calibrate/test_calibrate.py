@@ -36,17 +36,17 @@ def test_the_interval_at_the_stopping_time_covers_the_rate(p, m):
 
 @pytest.mark.parametrize("ps", [(0.90,), (0.95,), (0.99,), (0.90,) * 3, (0.95,) * 3, (0.99,) * 3, (0.3, 0.6, 0.949)])
 def test_a_chain_of_candidates_keeps_the_guarantee(ps):
-    """The candidates as a chain (each on fresh pairs, the next joining when one is ruled out; 300
-    pairs): the interval of the candidate in play where the field stopped holds its rate in at least
+    """The candidates as a chain (the next measured back over the pairs so far when one is ruled
+    out; 200 pairs): the interval of the candidate in play where the field stopped holds its rate in at least
     the nominal 95% of 10,000 streams, and the chosen repair is wrongly established (its rate below
     0.95) less often than alpha_lower, also where the first two are ruled out and the third sits just
     below the threshold (the chain's worst kind of case)."""
-    seq = Sequence(threshold=0.95, m=len(ps), chain=300)
+    seq = Sequence(threshold=0.95, m=len(ps), chain=200)
     assert seq.alpha == seq.alpha_lower and seq.n0 == 62  # each candidate spends all of it
     got = simulate_chain(ps, seq, trials=10_000, seed=int(ps[-1] * 100) + len(ps))
     assert got["coverage"] >= got["nominal"] == pytest.approx(0.95), got
-    assert got["wrongly_established"] <= chain_error(0.95, seq.alpha, len(ps), 300) + 0.005, got
-    assert chain_error(0.95, seq.alpha, len(ps), 300) <= seq.alpha_lower
+    assert got["wrongly_established"] <= chain_error(0.95, seq.alpha, len(ps), 200) + 0.005, got
+    assert chain_error(0.95, seq.alpha, len(ps), 200) <= seq.alpha_lower
 
 
 def test_the_chains_error_is_computed_and_its_alpha_cut_where_it_must_be():
@@ -163,6 +163,38 @@ def test_the_shared_prefix_gives_each_pair_the_cache_a_full_prefill_gives(toy):
     assert 0 < len(prefix.ids) < len(a.ids_old) and running.tokens_saved == prefix.tokens_saved
 
 
+@pytest.mark.parametrize("model", ["toy-qwen2", "tiny-gemma3"])
+def test_the_oracle_from_the_shared_prefix_is_the_full_prefills(model):
+    """calibrate's oracle reuses the old prompt's cache up to the field and prefills the new prompt
+    from there: on every pair (three per field, float32; a sliding-window family too) the same
+    decision as a full prefill of the new prompt, the decision logits within 1e-4, the old cache
+    untouched, and only the tokens from the field on computed."""
+    from kvprobe.api import aligned_edit
+    from kvprobe.calibrate.engine import _pairs, context_for
+    from kvprobe.editor.context import make_context
+    from kvprobe.editor.strategies import Oracle, PrefixOracle, apply
+    from kvprobe.kv import cache as kvcache
+    from kvprobe.kv.decode import decide
+
+    lm = kvprobe.load(model)
+    spec = load_spec(TOY_SPEC)
+    for name in spec.fields:
+        for _, (base, new) in _pairs(spec, name, 0, 3):
+            ctx = context_for(lm, spec, base)
+            a = aligned_edit(lm, ctx.case(name, new), ctx.form)
+            ec = make_context(lm, a)
+            before = [k.clone() for k, _ in kvcache.to_tensors(ec.old_cache)]
+            full, shared = apply(ec, Oracle()), apply(ec, PrefixOracle())
+            assert shared.recomputed == a.decision_pos - a.field[0] < full.recomputed == a.decision_pos
+            got, want = decide(lm, shared, 0)[0], decide(lm, full, 0)[0]
+            assert (got - want).abs().max() < 1e-4 and got.argmax() == want.argmax()
+            assert all(torch.equal(k, b) for (k, _), b in zip(kvcache.to_tensors(ec.old_cache), before))
+            rows = {o: measure_pair(lm, spec, name, base, new, ["field_only"], oracle=o) for o in ("prefix", "full")}
+            assert list(rows["prefix"].pred_oracle) == list(rows["full"].pred_oracle)
+            margins = [r.loc[r.strategy == "oracle", "margin"].iloc[0] for r in rows.values()]
+            assert abs(margins[0] - margins[1]) < 1e-4
+
+
 def test_an_edit_the_tokenizer_cannot_see_is_refused_not_ranked(toy, tmp_path):
     """toy-qwen2's tokenizer maps unknown words to [UNK]: an edit between two of them changes no
     token id, so no repair is ranked; the field is called degenerate after 10 such draws."""
@@ -181,6 +213,8 @@ def test_calibrate_command_writes_a_policy_and_resumes_with_a_larger_budget(tmp_
     first = cli("calibrate", TOY_SPEC, "--model", "toy-qwen2", "--max-pairs", "2", "--out", out)
     assert first.returncode == 1, first.stderr[-2000:]  # no verdict within 2 pairs: said, exit 1
     assert "no verdict within 2 pairs" in first.stderr
+    # after the first pair, what the whole template will cost at that rate (62 pairs a field settled, 2 at most)
+    assert "the template's 3 fields take about" in first.stderr and "if each is settled at 2 pairs" in first.stderr
     policy = yaml.safe_load((out / "field_policy.yaml").read_text())
     assert policy["kvprobe_field_policy"] == 4 and set(policy["fields"]) == {"subscription_tier", "timestamp",
                                                                               "request_id"}
@@ -190,6 +224,7 @@ def test_calibrate_command_writes_a_policy_and_resumes_with_a_larger_budget(tmp_
     rows = pd.read_parquet(out / "calibration.parquet")
     again = cli("calibrate", TOY_SPEC, "--model", "toy-qwen2", "--max-pairs", "3", "--out", out)
     assert again.returncode == 1, again.stderr[-2000:]
+    assert "the first pair took" not in again.stderr  # a resumed first pair took nothing: no projection from it
     more = pd.read_parquet(out / "calibration.parquet")
     keep = ["field", "old_value", "new_value", "strategy", "pred", "pred_oracle"]
     first_pairs = more.merge(rows[keep], on=keep, how="inner")
@@ -208,11 +243,11 @@ def test_calibrate_command_writes_a_policy_and_resumes_with_a_larger_budget(tmp_
     assert pd.read_parquet(out / "calibration.parquet").equals(more)  # nothing mixed in
 
 
-def test_a_chain_measures_one_candidate_a_pair_and_moves_on_when_it_is_ruled_out(toy, tmp_path):
+def test_a_chain_measures_the_candidate_in_play_and_brings_the_next_in_over_the_pairs_so_far(toy, tmp_path):
     """cacheblend:0.15 keeps toy-qwen2's stale decision on most gating edits: given first, it is
-    measured alone until ruled out, then field_only joins on the pairs after that one and is
-    established on 62 of its own. Every pair counts for one candidate; the rows hold that one's;
-    the policy verifies, and a policy whose counts do not follow the chain is refused."""
+    measured alone until ruled out; then field_only is measured back over those pairs and goes on,
+    established on 62 pairs in all. The rows hold what was counted; the policy verifies, and one
+    whose counts do not follow the chain is refused."""
     data = yaml.safe_load(open(TOY_SPEC))
     data["fields"] = {"subscription_tier": data["fields"]["subscription_tier"]}
     data["template"] = data["template"].replace("timestamp: {timestamp}\nrequest_id: {request_id}\n", "")
@@ -222,11 +257,11 @@ def test_a_chain_measures_one_candidate_a_pair_and_moves_on_when_it_is_ruled_out
     (res,) = cal.fields
     seq = Sequence(threshold=0.95, m=2, chain=100)
     (kb, nb), (kf, nf) = res.counts["cacheblend:0.15"], res.counts["field_only"]
-    assert seq.verdict(kb, nb) == "ruled out" and seq.verdict(kb - 1, nb - 1) == "open" or \
-        seq.verdict(kb, nb - 1) == "open", (kb, nb)
-    assert (res.chosen, res.verdict, kf, nf, nb + nf) == ("field_only", "established", 62, 62, res.pairs)
+    assert 0 < nb < 62 and seq.verdict(kb, nb) == "ruled out" and "open" in (seq.verdict(kb, nb - 1),
+                                                                            seq.verdict(kb - 1, nb - 1)), (kb, nb)
+    assert (res.chosen, res.verdict, kf, nf, res.pairs) == ("field_only", "established", 62, 62, 62)
     measured = cal.rows[~cal.rows.strategy.isin(["stale", "oracle"])]
-    assert list(measured.strategy) == ["cacheblend:0.15"] * nb + ["field_only"] * nf  # one a pair, in order
+    assert (measured.strategy == "cacheblend:0.15").sum() == nb and (measured.strategy == "field_only").sum() == 62
     entry = cal.policy["fields"]["subscription_tier"]["strategies"]
     assert entry["cacheblend:0.15"]["agreement"]["n"] == nb and entry["field_only"]["agreement"]["n"] == 62
     verify(cal.policy, tmp_path / "p.yaml", parse_strategy)
@@ -236,12 +271,42 @@ def test_a_chain_measures_one_candidate_a_pair_and_moves_on_when_it_is_ruled_out
                           hi=round(seq.upper(kb, nb + 1), 4))
     e["n_unchanged"] += 1
     e["flip_hi"] = round(1 - seq.lower(e["n_unchanged"] - e["spurious_flips"], e["n_unchanged"]), 4)
-    with pytest.raises(KvprobeError, match="count .* pairs, but a chain measures one candidate"):
+    with pytest.raises(KvprobeError, match="a chain moves on only where the candidate in play is ruled out"):
         verify(moved, tmp_path / "p.yaml", parse_strategy)
-    moved["fields"]["subscription_tier"]["pairs"] += 1
-    moved["fields"]["subscription_tier"]["change_rate"] = None
-    with pytest.raises(KvprobeError, match="change_rate"):
+    moved = yaml.safe_load(yaml.safe_dump(cal.policy))  # field_only's unchanged pairs not the field's
+    e = moved["fields"]["subscription_tier"]["strategies"]["field_only"]
+    e["n_unchanged"] -= 1
+    e["flip_hi"] = round(1 - seq.lower(e["n_unchanged"] - e["spurious_flips"], e["n_unchanged"]), 4)
+    with pytest.raises(KvprobeError, match="the candidate a chain ends on counts every pair"):
         verify(moved, tmp_path / "p.yaml", parse_strategy)
+
+
+def test_the_shared_procedure_measures_every_candidate_on_every_pair(toy, tmp_path):
+    """procedure="shared" (what calibrate did before the chain): every candidate on every pair, their
+    lower bounds sharing alpha_lower (83 pairs at 0.95 for three); its policy says so and verifies."""
+    cal = calibrate(toy, TOY_SPEC, max_pairs=3, procedure="shared", oracle="full",
+                    candidates=["field_only", "erratum_turn"])
+    measured = cal.rows[cal.rows.skip.isna()]
+    for _, pair in measured.groupby(["field", "old_value", "new_value", "others"]):
+        assert list(pair.strategy) == ["stale", "oracle", "field_only", "erratum_turn"]
+    assert all(res.counts[c][1] == res.pairs for res in cal.fields for c in res.counts)
+    assert cal.policy["procedure"] == "shared" and "shared by 2 candidates" in cal.policy["method"]
+    verify(cal.policy, tmp_path / "p.yaml", parse_strategy)
+    with pytest.raises(KvprobeError, match="procedure must be one of chain, shared"):
+        calibrate(toy, TOY_SPEC, max_pairs=1, procedure="bonferroni")
+
+
+def test_calibrate_says_what_the_template_costs_and_when_bfloat16_is_emulated(monkeypatch):
+    from kvprobe.cli import calibrate as cli_calibrate
+
+    line = cli_calibrate.projection(2.0, 3, 62, 200)
+    assert "2.0 s" in line and "about 6 min if each is settled at 62 pairs" in line and "at most 20 min" in line
+    monkeypatch.setattr("kvprobe.hardware.native_bf16", lambda: False)
+    note = cli_calibrate.bf16_note("bfloat16", "cpu")
+    assert note.startswith("note: this CPU has no native bfloat16") and "--dtype float32" in note
+    assert cli_calibrate.bf16_note("float32", "cpu") is None
+    monkeypatch.setattr("kvprobe.hardware.native_bf16", lambda: True)
+    assert cli_calibrate.bf16_note("bfloat16", "cpu") is None
 
 
 def spec_context(lm, spec, values, **kwargs) -> kvprobe.EditableContext:

@@ -3,7 +3,9 @@ pairs as the statistics allow.
 
 For each field of the template, pairs are drawn (every field at a value from its set, then this
 field moved to another value), and each pair is run three ways: the stale cache's decision, the
-oracle's (a full re-prefill of the new prompt) and one candidate repair's. A candidate's stream
+oracle's (the new prompt prefilled from the prefix it shares with the old one: the cache up to the
+field's first token is reused, as a serving engine's prefix cache does; ``oracle="full"`` prefills
+it whole) and one candidate repair's. A candidate's stream
 is "its decision equals the oracle's": on a pair where the oracle's decision changed, that is
 agreement; where it did not, it is the absence of a spurious flip. The candidates (given cheapest
 first) form a chain (:mod:`kvprobe.stopping.sequence`): the first is measured until the confidence
@@ -197,17 +199,26 @@ class SharedPrefix:
         return cache
 
 
+PROCEDURES = {"chain": "the candidates one after another, each on its own pairs",
+              "shared": "every candidate on every pair, alpha_lower shared"}
+ORACLES = {"prefix": "the old prompt's cache up to the field, the new prompt prefilled from there",
+           "full": "a full prefill of the new prompt"}
+
+
 def measure_pair(lm, spec: CalibrationSpec, name: str, base: dict[str, str], new: str, candidates: list,
-                 form: str = "auto", prefix: SharedPrefix | None = None) -> pd.DataFrame:
+                 form: str = "auto", prefix: SharedPrefix | None = None, oracle: str = "prefix") -> pd.DataFrame:
     """One pair: a row per strategy (stale, oracle, each candidate) from the one measurement core
     (:func:`kvprobe.editor.score.measure_strategies`, edits.parquet's columns, plus the pair's
     values, ``to_decision_s`` and ``changed``), or one skipped row. The old prompt's cache
-    continues ``prefix`` where one is given; the oracle is always a full prefill of the new prompt."""
+    continues ``prefix`` where one is given; the oracle is computed as :data:`ORACLES` says (the
+    same decision up to float rounding: tests/calibrate compares the two)."""
     from kvprobe.api import aligned_edit
     from kvprobe.editor.context import EditContext, make_context
     from kvprobe.editor.score import measure_strategies
-    from kvprobe.editor.strategies import parse_strategy
+    from kvprobe.editor.strategies import Oracle, PrefixOracle, parse_strategy
 
+    if oracle not in ORACLES:
+        raise UsageError(f"oracle must be one of {', '.join(ORACLES)}, got {oracle!r}")
     ctx = context_for(lm, spec, base, form)
     head = {"field": name, "old_value": base[name], "new_value": new,
             "others": yaml.safe_dump({k: v for k, v in base.items() if k != name}, default_flow_style=True).strip()}
@@ -226,7 +237,7 @@ def measure_pair(lm, spec: CalibrationSpec, name: str, base: dict[str, str], new
     with lm.lock:
         D = a.decision_pos
         ec = (EditContext(lm, a, prefix.old_cache(a.ids_old[:D])) if prefix is not None else make_context(lm, a))
-        df = measure_strategies(lm, a, typed, ctx=ec)
+        df = measure_strategies(lm, a, typed, ctx=ec, oracle=PrefixOracle() if oracle == "prefix" else Oracle())
     stale = df.loc[df.strategy == "stale", "pred"].iloc[0]
     df.insert(0, "field", name)
     for i, (k, v) in enumerate(head.items()):
@@ -262,10 +273,15 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
               threshold: float = DEFAULT_THRESHOLD,
               max_pairs: int = 200, seed: int = 0, form: str = "auto", parts=None,
               progress: Callable[[str, int, int], None] = lambda field, done, total: None,
-              executor=None) -> Calibration:
+              executor=None, oracle: str = "prefix", procedure: str = "chain") -> Calibration:
     """Calibrate every field of ``spec`` (or the spec file at that path) on the model ``lm`` (a
     loaded model or a spec :func:`kvprobe.load` takes; see the module docstring).
     ``parts(name)`` gives a :class:`kvprobe.results.CaseStore` per field to keep finished pairs.
+    ``oracle`` is how each pair's oracle is computed (:data:`ORACLES`; from the shared prefix by
+    default). ``procedure`` is how the candidates are tested (:data:`PROCEDURES`): ``chain`` (one a
+    pair, the next joining when one is ruled out) or ``shared`` (every candidate on every pair,
+    alpha_lower shared: what kvprobe did before the chain, kept for fields whose cheaper candidates
+    are ruled out only slowly, where the chain spends more pairs).
 
     ``executor`` (:mod:`kvprobe.executor`; serial by default) measures the pairs. The sequential
     rule reads them in the order they were drawn, whatever order the workers finish in, so it
@@ -288,52 +304,79 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
         raise UsageError(f"candidates are repairs to measure, cheapest first (not {', '.join(NOT_CANDIDATES)}); got "
                          f"{', '.join(bad) or 'none'}")
     check_threshold(threshold, "threshold")
+    if oracle not in ORACLES:
+        raise UsageError(f"oracle must be one of {', '.join(ORACLES)}, got {oracle!r}")
+    if procedure not in PROCEDURES:
+        raise UsageError(f"procedure must be one of {', '.join(PROCEDURES)}, got {procedure!r}")
+    chain = procedure == "chain"
     typed = {s: parse_strategy(s) for s in candidates}
     prefix = SharedPrefix(lm)  # the template before its first field: prefilled once, for every field's pairs
     executor = executor or Serial()
     ctx = Context(lm)
     ctx.memo[_PREFIX] = prefix  # a worker process keeps its own
     wasted = executor.wasted
-    seq = Sequence(threshold=threshold, m=len(candidates), chain=max_pairs)
+    seq = Sequence(threshold=threshold, m=len(candidates), chain=max_pairs if chain else 0)
     change_seq = Sequence(threshold=threshold)
     frames, results = [], []
     for name in spec.fields:
         res = FieldResult(name, counts={s: [0, 0] for s in candidates})
-        # skipped draws (no oracle run) are not budget; each pair is sent with the candidate in play when
-        # it is sent (a parallel executor sends pairs ahead: one that reaches the rule after the next
-        # candidate joined is measured for it here)
-        pair_of = {}
-        items = ((key, (pair_of.setdefault(key, pair), _in_play(res, seq, candidates)))
+        store = parts(name) if parts is not None else None
+        # skipped draws (no oracle run) are not budget. Each pair is sent with the candidate in play when
+        # it is sent; a parallel executor sends pairs ahead, so one that reaches the rule after the next
+        # candidate joined is measured for it here
+        pair_of, rows_of, counted = {}, {}, {}
+        items = ((key, (pair_of.setdefault(key, pair), _in_play(res, seq, candidates) if chain else None))
                  for key, pair in _pairs(spec, name, seed, 2 * max_pairs + 10))
         start = time.perf_counter()
 
         def one(ctx, item, name=name):
             (base, new), cand = item
-            return measure_pair(ctx.lm, spec, name, base, new, [typed[cand]], form, ctx.keep(_PREFIX, SharedPrefix))
+            return measure_pair(ctx.lm, spec, name, base, new, [typed[c] for c in ([cand] if cand else candidates)],
+                                form, ctx.keep(_PREFIX, SharedPrefix), oracle)
 
-        loop = executor.each(parts(name) if parts is not None else None, items, one, ctx)
+        def count(key: str, cand: str, res=res, name=name, store=store) -> None:
+            """Count ``cand`` on the pair ``key``, measuring it there first if its part lacks it."""
+            df = rows_of[key]
+            if not (df.strategy == cand).any():
+                got = measure_pair(lm, spec, name, *pair_of[key], [typed[cand]], form, prefix, oracle)
+                df = rows_of[key] = pd.concat([df, got[got.strategy == cand]], ignore_index=True)
+                if store is not None:
+                    store.save(key, df)
+            res.counts[cand][0] += bool(df.loc[df.strategy == cand, "agree"].iloc[0])
+            res.counts[cand][1] += 1
+            counted[key].append(cand)
+
+        def settle(res=res) -> bool:
+            """The rule after a pair; a chain whose candidate in play was ruled out brings the next one
+            in, measured back over the field's pairs so far (and so on, should it be ruled out there)."""
+            while not decide(res, seq, candidates):
+                cand = _in_play(res, seq, candidates) if chain else None
+                if cand is None or res.counts[cand][1] == res.pairs:
+                    return False
+                for key in list(counted):
+                    if cand not in counted[key]:
+                        count(key, cand)
+            return True
+
+        loop = executor.each(store, items, one, ctx)
         for key, df, _ in loop:
-            if not isinstance(df.skip.iloc[0], str):
-                cand = _in_play(res, seq, candidates)
-                if not (df.strategy == cand).any():
-                    df = measure_pair(lm, spec, name, *pair_of[key], [typed[cand]], form, prefix)
-                df = df[df.strategy.isin(["stale", "oracle", cand])].reset_index(drop=True)
-            frames.append(df)
+            rows_of[key] = df
             if isinstance(df.skip.iloc[0], str):
                 res.degenerate += bool(df.degenerate.iloc[0])
                 res.skipped += 1
                 drawn = res.skipped + res.pairs
                 if drawn >= MIN_DRAWN and res.skipped > DEGENERATE_SHARE * drawn:
-                    unmeasured(res, name, drawn, [f.skip.iloc[0] for f in frames
-                                                  if f.field.iloc[0] == name and isinstance(f.skip.iloc[0], str)])
+                    unmeasured(res, name, drawn, [d.skip.iloc[0] for d in rows_of.values()
+                                                  if isinstance(d.skip.iloc[0], str)])
                     break
                 continue
             res.pairs += 1
             res.changed += int(df.changed.iloc[0])
-            res.counts[cand][0] += bool(df.loc[df.strategy == cand, "agree"].iloc[0])
-            res.counts[cand][1] += 1
+            counted[key] = []
+            for c in ([_in_play(res, seq, candidates)] if chain else candidates):
+                count(key, c)
             progress(name, res.pairs, max_pairs)
-            if decide(res, seq, candidates):
+            if settle():
                 break
             if res.pairs >= max_pairs:
                 decide(res, seq, candidates, final=True)
@@ -342,6 +385,11 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
             decide(res, seq, candidates, final=True)
         loop.close()  # pairs measured ahead of the stopping point are counted now
         res.seconds = time.perf_counter() - start
+        # a pair's rows: stale, the oracle and the candidates counted on it (a part may hold more: a
+        # candidate measured ahead, or counted in an earlier run that stopped elsewhere)
+        frames += [df if key not in counted else
+                   df[df.strategy.isin(["stale", "oracle", *counted[key]])].reset_index(drop=True)
+                   for key, df in rows_of.items()]
         results.append(res)
     rows = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     summary = summarize(rows, results, seq, change_seq, candidates)

@@ -37,6 +37,8 @@ def summarize(rows: pd.DataFrame, results: list, seq: Sequence, change_seq: Sequ
         ch = _share(change_seq, res.changed, res.pairs)
         oracle = got[got.strategy == "oracle"] if len(got) else got
         oracle_s = float(oracle.to_decision_s.median()) if len(oracle) else float("nan")
+        # the share of the new prompt (before its decision token) the oracle took from the old cache
+        reuse = float((1 - oracle.tokens_recomputed / (oracle.tokens_total - 1)).mean()) if len(oracle) else float("nan")
         for s in candidates:
             g = got[got.strategy == s] if len(got) else got
             changed, same = (g[g.changed], g[~g.changed]) if len(g) else (g, g)
@@ -57,7 +59,8 @@ def summarize(rows: pd.DataFrame, results: list, seq: Sequence, change_seq: Sequ
                 else float("nan"),
                 "errors": int(g.error.notna().sum()) if "error" in g else 0,
                 "verdict": verdict_of(seq, int(g.agree.sum()) if len(g) else 0, len(g)),
-                "oracle_s": oracle_s, "chosen": res.chosen == s, "seconds": res.seconds,
+                "oracle_s": oracle_s, "oracle_prefix_share": reuse, "chosen": res.chosen == s,
+                "seconds": res.seconds,
             })
     return pd.DataFrame(out)
 

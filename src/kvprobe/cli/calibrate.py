@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from kvprobe.cli import options as opt
-from kvprobe.cli.common import console, executor_for, load_with_status, progress_bar, usable_out
+from kvprobe.cli.common import console, err_console, executor_for, load_with_status, progress_bar, usable_out
 
 
 def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calibration spec (YAML: template, fields, question, options, "
@@ -18,6 +18,14 @@ def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calib
                                              help="the repairs to measure, cheapest first (comma-separated specs)"),
               threshold: opt.Threshold = opt.DEFAULTS["threshold"],
               max_pairs: int = typer.Option(200, min=1, help="oracle-checked pairs per field at most"),
+              oracle: str = typer.Option("prefix", help="how each pair's oracle is computed: prefix (the old "
+                                                        "prompt's cache up to the field, the new prompt prefilled "
+                                                        "from there: a serving engine's prefix cache) or full (a "
+                                                        "full prefill of the new prompt)"),
+              procedure: str = typer.Option("chain", help="how the candidates are tested: chain (one a pair, "
+                                                           "cheapest first, the next joining once one is ruled "
+                                                           "out) or shared (every candidate on every pair, their "
+                                                           "error shared); docs/calibrate.md"),
               seed: opt.Seed = 0, form: opt.Form = opt.DEFAULTS["form"],
               dtype: opt.Dtype = "float32", device: opt.Device = "cpu", device_map: opt.DeviceMap = "none",
               allow_failed_toy: opt.AllowFailedToy = False, out: opt.Out = None,
@@ -39,6 +47,18 @@ def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calib
     from kvprobe.errors import CheckFailed
     from kvprobe.results import CALIBRATE_CLAIM, ResultsFolder, atomic_write_parquet
 
+    import time
+
+    from kvprobe.calibrate.engine import ORACLES, PROCEDURES
+    from kvprobe.calibrate.stats import Sequence
+    from kvprobe.errors import UsageError
+
+    if oracle not in ORACLES:
+        raise UsageError(f"--oracle must be one of {', '.join(ORACLES)} ("
+                         + "; ".join(f"{k}: {v}" for k, v in ORACLES.items()) + f"), got {oracle!r}")
+    if procedure not in PROCEDURES:
+        raise UsageError(f"--procedure must be one of {', '.join(PROCEDURES)} ("
+                         + "; ".join(f"{k}: {v}" for k, v in PROCEDURES.items()) + f"), got {procedure!r}")
     specs = [parse_strategy(s).spec for s in opt.parse_csv(candidates)]
     cal_spec = load_spec(spec)
     out = usable_out(out or opt.default_out("calibrate", model))
@@ -48,20 +68,34 @@ def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calib
     # order is claimed as well (a reordered spec would otherwise resume on another draw sequence)
     folder = ResultsFolder(out, CALIBRATE_CLAIM, {
         "model": model, "spec": cal_spec.digest(), "field_order": list(cal_spec.fields), "candidates": specs,
-        "threshold": threshold, "seed": seed, "form": form}, held="calibration with other settings", dtype=dtype)
+        "threshold": threshold, "seed": seed, "form": form, "oracle": oracle, "procedure": procedure},
+        held="calibration with other settings",
+        dtype=dtype)
     folder.check()
     ex = executor_for(ctx, executor, workers, ray_address, gpus_per_worker, threads_per_worker, retries)
+    if bf16_note(dtype, device):
+        err_console.print(bf16_note(dtype, device), highlight=False, markup=False, soft_wrap=True)
     lm = load_with_status(model, dtype, device, allow_failed_toy=allow_failed_toy, device_map=device_map)
     folder.claim(lm)
+    first_look = Sequence(threshold=threshold, m=len(specs), chain=max_pairs if procedure == "chain" else 0).n0
+    first = next(iter(cal_spec.fields))
+    fresh = folder.parts(f"pairs/{first}").get(f"{0:05d}") is None  # a resumed first pair costs nothing
+    start = time.perf_counter()
     with ex, progress_bar() as bar:
-        tasks = {name: bar.add_task(f"calibrating {name}", total=max_pairs) for name in cal_spec.fields}
+        tasks = {first: bar.add_task(f"calibrating {first}", total=max_pairs)}
 
         def progress(name: str, done: int, total: int):
+            if name not in tasks:  # a field's bar starts with its first pair, so its time left is its own
+                tasks[name] = bar.add_task(f"calibrating {name}", total=max_pairs)
             bar.update(tasks[name], completed=done)
+            if done == 1 and name == first and fresh:  # the first pair: what the whole template will cost
+                each = time.perf_counter() - start
+                err_console.print(projection(each, len(cal_spec.fields), min(first_look, max_pairs), max_pairs),
+                                  highlight=False, markup=False, soft_wrap=True)
 
         cal = run_calibration(lm, cal_spec, candidates=specs, threshold=threshold, max_pairs=max_pairs, seed=seed,
                               form=form, parts=lambda name: folder.parts(f"pairs/{name}"), progress=progress,
-                              executor=ex)
+                              executor=ex, oracle=oracle, procedure=procedure)
     atomic_write_parquet(cal.rows, out / CALIBRATION)
     atomic_write_parquet(cal.summary, out / SUMMARY)
     policy_path = field_policy.write(cal.policy, out / POLICY_FILE)
@@ -69,7 +103,8 @@ def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calib
         lm, kvprobe_calibrate=1, spec=str(spec), template=cal.policy["template"], settings=folder.settings,
         method=cal.policy["method"], prefix_tokens_saved=cal.prefix_tokens_saved,
         executor={**ex.describe(), "pairs_measured_unused": cal.wasted},
-        fields={f.name: {"pairs": f.pairs, "skipped": f.skipped, "seconds": round(f.seconds, 1)} for f in cal.fields}))
+        fields={f.name: {"pairs": f.pairs, "skipped": f.skipped, "seconds": round(f.seconds, 1),
+                         "oracle_prefix_share": _share_of(cal.summary, f.name)} for f in cal.fields}))
     print_table(cal, model, threshold)
     if cal.wasted:
         console.print(f"{executor}: {cal.wasted} pair(s) measured past a field's stopping point were not counted "
@@ -88,6 +123,35 @@ def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calib
                         f"give values of equal token length)")
         them = "it" if len(open_fields + unmeasurable) == 1 else "them"
         raise CheckFailed(f"{'; '.join(said)}: the policy gives {them} the oracle")
+
+
+def bf16_note(dtype: str, device: str) -> str | None:
+    """The one-line note for bfloat16 asked of a CPU that emulates it (None where it is native, or
+    not asked for)."""
+    from kvprobe.hardware import cpu_line, native_bf16
+
+    if dtype != "bfloat16" or device != "cpu" or native_bf16():
+        return None
+    return (f"note: this CPU has no native bfloat16 ({cpu_line().removeprefix('CPU: ')}): torch emulates it, several "
+            f"times slower than float32 here; --dtype float32 is the fast choice on it")
+
+
+def projection(each: float, fields: int, settled: int, max_pairs: int) -> str:
+    """What the whole template will cost at the first pair's rate: each field settled at its first
+    look (``settled`` pairs: the cheapest candidate agreeing on every one), and at most at the budget."""
+    def span(s: float) -> str:
+        return f"{s / 60:.0f} min" if s >= 90 else f"{s:.0f} s"
+
+    return (f"the first pair took {each:.1f} s (the shared prefix's prefill included): the template's {fields} "
+            f"field{'s' if fields > 1 else ''} take about {span(each * settled * fields)} if each is settled at "
+            f"{settled} pairs, at most {span(each * max_pairs * fields)} at --max-pairs {max_pairs} (a field whose "
+            f"cheapest candidate is ruled out takes more pairs; a candidate's own cost differs)")
+
+
+def _share_of(summary, name: str):
+    """The field's oracle prefix share (None where no pair was measured)."""
+    got = summary.loc[summary.field == name, "oracle_prefix_share"]
+    return None if got.empty or got.isna().all() else round(float(got.iloc[0]), 4)
 
 
 def print_table(cal, model: str, threshold: float) -> None:

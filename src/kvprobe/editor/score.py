@@ -146,7 +146,7 @@ def timed_read(lm, edited: Edited) -> tuple[torch.Tensor, float]:
 
 def measure_strategies(lm, a: AlignedCase, strategies: Sequence[Strategy], *, ctx: EditContext | None = None,
                        old_cache=None, min_flip: float = DEFAULT_MIN_FLIP,
-                       on_row: Callable[[], None] = lambda: None) -> pd.DataFrame:
+                       on_row: Callable[[], None] = lambda: None, oracle: Strategy | None = None) -> pd.DataFrame:
     """Stale, the oracle, then each of ``strategies`` (typed; one row per label) on one aligned case,
     each repaired from the old cache, read at the decision token (no chain-of-thought) and scored
     against the stale and oracle reads: a frame of :data:`ROW_COLUMNS` plus ``margin``
@@ -157,12 +157,15 @@ def measure_strategies(lm, a: AlignedCase, strategies: Sequence[Strategy], *, ct
     that refuses the case or fails with a :class:`KvprobeError` is an :func:`error_row` (with
     ``pred_oracle``, so it can be counted against the oracle's decision). The caller
     holds ``lm.lock`` where threads share the model. ``on_row`` is called after each strategy's row.
+    ``oracle`` computes the oracle's state (a full prefill, :class:`Oracle`, unless given: calibrate's
+    :class:`~kvprobe.editor.strategies.PrefixOracle`).
     """
     ctx = ctx if ctx is not None else make_context(lm, a, old_cache=old_cache)
-    states = {label: apply(ctx, s) for label, s in (("stale", Stale()), ("oracle", Oracle()))}
+    oracle = oracle or Oracle()
+    states = {label: apply(ctx, s) for label, s in (("stale", Stale()), ("oracle", oracle))}
     reads = {label: timed_read(lm, e) for label, e in states.items()}
     ref = Reference.of(a, reads["stale"][0], reads["oracle"][0], min_flip, lm.tokenizer)
-    wanted = {"stale": Stale(), "oracle": Oracle()} | {s.label: s for s in strategies if s.label not in states}
+    wanted = {"stale": Stale(), "oracle": oracle} | {s.label: s for s in strategies if s.label not in states}
     rows = []
     for label, s in wanted.items():
         try:

@@ -371,3 +371,19 @@ class Oracle(Strategy):
     def apply(self, ctx: EditContext) -> Edited:
         _, cache = kvcache.prefill(ctx.lm.model, torch.tensor(ctx.a.ids_new[: ctx.D]), logits_to_keep=1)
         return Edited(cache, [ctx.a.ids_new[ctx.D]], ctx.D, ctx.D + 1, ids=ctx.a.ids_new[: ctx.D + 1])
+
+
+@dataclass(frozen=True)
+class PrefixOracle(Oracle):
+    """The oracle from the prefix the old and new prompts share: the old prompt's cache up to the
+    field's first token, the new prompt prefilled from there, as a serving engine's prefix cache
+    gives it (the same computation as a full prefill up to float rounding: the positions before the
+    field see the same tokens). Not a strategy of its own: its rows are the oracle's
+    (``kvprobe calibrate --oracle prefix``, the default there)."""
+
+    def apply(self, ctx: EditContext) -> Edited:
+        f0 = ctx.a.field[0]
+        assert ctx.a.ids_old[:f0] == ctx.a.ids_new[:f0], "an in-place edit leaves the tokens before the field"
+        cache = kvcache.crop(ctx.old_cache, f0)  # views: the forward appends new tensors, the old cache is kept
+        kvcache.forward(ctx.lm.model, torch.tensor(ctx.a.ids_new[f0: ctx.D]), cache, logits_to_keep=1)
+        return Edited(cache, [ctx.a.ids_new[ctx.D]], ctx.D - f0, ctx.D + 1, ids=ctx.a.ids_new[: ctx.D + 1])

@@ -124,23 +124,28 @@ def relevance(verdict: str, changed: int, pairs: int, change_seq: Sequence) -> s
 def chain_problem(counts: dict[str, list[int]], unchanged: dict[str, int], seq: Sequence, pairs: int,
                   changed: int) -> tuple[str, str] | None:
     """What in a chain's recorded counts (:mod:`kvprobe.stopping.sequence`) does not follow from
-    the chain, as (where below the field's strategies, what), or None: every measured pair counts for
-    one candidate, so the candidates' pairs add up to the field's and their unchanged pairs to its
-    unchanged ones; a candidate was measured only after each one before it was ruled out, each of
-    those exactly at its last pair (the chain moves on at the first "ruled out")."""
+    the chain, as (where below the field's strategies, what), or None. The candidates measured are
+    the first few, in order; the last of them counts every pair of the field (it was measured back
+    over the pairs before it joined); each one before it was ruled out at its count, which is where
+    the next one joined: at the pair it was ruled out on, while in play, or where the one before it
+    stopped, when it was ruled out as soon as it was measured back."""
     cands = list(counts)
-    if sum(n for _, n in counts.values()) != pairs:
-        return "", (f"count {' + '.join(str(n) for _, n in counts.values())} pairs, but a chain measures one "
-                    f"candidate on each of the field's {pairs}")
-    if sum(unchanged.values()) != pairs - changed:
-        return "", (f"hold {sum(unchanged.values())} unchanged pairs, not the {pairs - changed} pairs the oracle's "
-                    f"decision did not change")
     reached = [s for s in cands if counts[s][1]]
-    last = cands.index(reached[-1]) if reached else 0
-    for s in cands[:last]:
+    if reached != cands[:len(reached)]:
+        return "", f"count pairs for {', '.join(reached)}: a chain measures its candidates in order, none skipped"
+    if not reached:
+        return ("", f"count no pair, but the field has {pairs}") if pairs else None
+    last = reached[-1]
+    if counts[last][1] != pairs or unchanged[last] != pairs - changed:
+        return f".{last}", (f"counts {counts[last][1]} pairs ({unchanged[last]} unchanged), but the candidate a chain "
+                            f"ends on counts every pair of the field ({pairs}, {pairs - changed} unchanged)")
+    before = 0
+    for s in reached[:-1]:
         k, n = counts[s]
         earlier = [seq.verdict(k - x, n - 1) for x in (0, 1) if 0 <= k - x <= n - 1]
-        if seq.verdict(k, n) != "ruled out" or "open" not in earlier:
-            return f".{s}", (f"records {k} of {n}, but {cands[last]} was measured after it: a chain moves on only at "
-                             f"the pair where the one before is ruled out")
+        if seq.verdict(k, n) != "ruled out" or n < before or (n > before and "open" not in earlier) \
+                or unchanged[s] > n:
+            return f".{s}", (f"records {k} of {n}, but {reached[reached.index(s) + 1]} was measured after it: a chain "
+                             f"moves on only where the candidate in play is ruled out")
+        before = n
     return None

@@ -21,18 +21,21 @@ established with probability at most ``alpha_lower``:
 
 - **shared** (``chain=0``; ``kvprobe memory``'s policy): every repair is measured on the same pairs and
   their lower bounds share ``alpha_lower`` (Bonferroni over ``m``): 83 pairs at 0.95 for three;
-- **a chain** (``chain=N``, at most N pairs; ``kvprobe calibrate``): the repairs are tested one after
-  another, cheapest first, each on fresh pairs only, and a repair joins only once the one before it is
-  ruled out (a hierarchical, fixed-order procedure). Only one repair is measured on a pair, so only
-  one can be established, and the error is the sum over the chain of "reached j and wrongly
-  established j". Reaching j takes ruling out the ones before, which is likely only where their own
-  rates lie far below the threshold, where wrongly establishing them is unlikely; so the repairs need
-  not split ``alpha_lower``. How much each may spend is computed, not assumed: :func:`chain_error`
-  gives the exact worst case of the chain's error over every rate of every repair (a recursion over
-  the binomial paths, as group-sequential boundaries are computed: Armitage, McPherson and Rowe 1969;
-  Jennison and Turnbull 2000, ch. 8), and :func:`chain_alpha` the largest share of ``alpha_lower``
-  each repair may spend with that worst case within ``alpha_lower``. At 0.95, three repairs and 200
-  pairs that is all of it: 62 pairs establish a repair, as for one.
+- **a chain** (``chain=N``, at most N pairs; ``kvprobe calibrate``): the repairs are taken one after
+  another, cheapest first. The first is measured from the first pair; once the one in play is
+  ruled out, the next is measured back over every pair so far (the pairs every repair would have
+  seen) and goes on from there. A repair is measured only while it is in play or about to be, so a
+  field settled by its cheapest repair pays for that one alone. Only the repair in play can be
+  chosen, and reaching repair j needs every earlier one ruled out, which is likely only where their
+  rates lie far below the threshold, where wrongly establishing them is unlikely; so the repairs
+  need not split ``alpha_lower``. How much each may spend is computed, not assumed:
+  :func:`chain_error` gives the exact worst case of the chain's error over every rate of every
+  repair, from each repair's own first-passage chances (a recursion over the binomial paths, as
+  group-sequential boundaries are computed: Armitage, McPherson and Rowe 1969; Jennison and
+  Turnbull 2000, ch. 8), with no assumption on how the repairs' results on one pair depend on each
+  other; :func:`chain_alpha` gives the largest share of ``alpha_lower`` each repair may spend with
+  that worst case within ``alpha_lower``. At 0.95, three repairs and up to 200 pairs that is all of
+  it: 62 pairs establish a repair, as for one.
 """
 
 from __future__ import annotations
@@ -126,26 +129,35 @@ def bounds_table(seq: Sequence, max_n: int) -> tuple[np.ndarray, np.ndarray]:
     return np.nan_to_num(lower), np.nan_to_num(upper, nan=1.0)
 
 
-def _ends(seq: Sequence, max_n: int, ps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For each rate in ``ps``: the probability that one repair's stream, stopped at its first
-    verdict or after ``max_n`` pairs, ends established, and that it ends ruled out (exact: the
-    distribution of agreements carried forward pair by pair, the paths with a verdict removed)."""
+def _passages(seq: Sequence, max_n: int, ps: np.ndarray) -> dict[str, np.ndarray]:
+    """For each rate in ``ps``, exact over the binomial paths of ``max_n`` pairs (the distribution
+    of agreements carried forward pair by pair): ``f``, the chance that the stream stopped at its
+    first verdict ends established; ``g``, that it ends ruled out; ``h``, that its lower bound ever
+    reaches the threshold; ``r``, that its upper bound ever falls below it."""
     lower, upper = bounds_table(seq, max_n)
     est = clears(lower, seq.threshold)
     out = (upper < seq.threshold) & ~est
     p = ps[:, None]
-    dist = np.zeros((len(ps), max_n + 2))
-    dist[:, 0] = 1.0
-    established, ruled_out = np.zeros(len(ps)), np.zeros(len(ps))
-    for n in range(1, max_n + 1):
-        nxt = dist * (1 - p)
-        nxt[:, 1:] += dist[:, :-1] * p
-        dist = nxt
-        e, o = est[n, :n + 1], out[n, :n + 1]
-        established += dist[:, :n + 1][:, e].sum(axis=1)
-        ruled_out += dist[:, :n + 1][:, o].sum(axis=1)
-        dist[:, :n + 1][:, e | o] = 0.0
-    return established, ruled_out
+    got = {}
+    for name, stop_est, stop_out in (("fg", True, True), ("h", True, False), ("r", False, True)):
+        dist = np.zeros((len(ps), max_n + 2))
+        dist[:, 0] = 1.0
+        hit_est, hit_out = np.zeros(len(ps)), np.zeros(len(ps))
+        for n in range(1, max_n + 1):
+            nxt = dist * (1 - p)
+            nxt[:, 1:] += dist[:, :-1] * p
+            dist = nxt
+            e, o = est[n, :n + 1] & stop_est, (upper[n, :n + 1] < seq.threshold) & stop_out
+            if name == "fg":
+                o = out[n, :n + 1]
+            hit_est += dist[:, :n + 1][:, e].sum(axis=1)
+            hit_out += dist[:, :n + 1][:, o].sum(axis=1)
+            dist[:, :n + 1][:, e | o] = 0.0
+        if name == "fg":
+            got["f"], got["g"] = hit_est, hit_out
+        else:
+            got[name] = hit_est if name == "h" else hit_out
+    return got
 
 
 GRID = 512  # rates on [0, threshold] between which chain_error brackets the worst case
@@ -155,23 +167,36 @@ GRID = 512  # rates on [0, threshold] between which chain_error brackets the wor
 def chain_error(threshold: float, alpha: float, m: int, max_pairs: int, alpha_upper: float = ALPHA_UPPER,
                 w0: float = W0) -> float:
     """An upper bound, exact up to the grid's bracketing, on the probability that a chain of ``m``
-    repairs (each spending ``alpha`` on its lower bound, at most ``max_pairs`` pairs each) ends with
-    a repair established whose rate is below ``threshold``, over every rate of every repair.
+    repairs (each spending ``alpha`` on its lower bound; at most ``max_pairs`` pairs) ends with a
+    repair established whose rate is below ``threshold``, over every rate of every repair and
+    whatever the dependence between the repairs' results on one pair.
 
-    With ``f(p)`` the chance that a repair at rate ``p`` ends established and ``g(p)`` that it ends
-    ruled out, the worst case of the chain's last ``j`` repairs is ``S_1 = sup_{p<t} f(p)`` and
-    ``S_{j+1} = sup_p [f(p) [p < t] + g(p) S_j]`` (a later repair sees fresh pairs, whatever the
-    earlier ones did). ``f`` rises with ``p`` and ``g`` falls (a stream with more agreements reaches
-    a verdict "established" no later, "ruled out" no sooner), so on a grid cell ``[a, b]`` the term
-    is at most ``f(b) + g(a) S_j``; above the threshold it is at most ``g(t) S_j``. A repair's own
-    budget is what the field has left, at most ``max_pairs``; more pairs only raise ``f`` and ``g``."""
+    Candidate 1 is measured from the first pair and the field stops when it is established: it is
+    chosen and wrong with chance at most ``f(p1)`` (its stream stopped at its first verdict), and
+    the chain goes on only if it is ruled out, chance ``g(p1)``. A later candidate ``j`` is chosen
+    and wrong only if its lower bound ever reaches the threshold, ``h(pj)``, and only if candidate
+    ``j`` was reached; candidate ``j + 1`` is reached only if ``j``'s upper bound ever fell below the
+    threshold, ``r(pj)``. Using these marginal chances alone (no independence between candidates),
+    the worst case of candidates ``j..m`` is ``X_m = sup_{p<t} h(p)``,
+    ``X_j = sup_p [h(p) [p < t] + min(r(p), X_{j+1})]``, and the chain's is
+    ``sup_p [f(p) [p < t] + min(g(p), X_2)]``. Each chance is monotone in ``p`` (more agreements
+    reach "established" no later, "ruled out" no sooner), so on a grid cell ``[a, b]`` a term is at
+    most its rising part at ``b`` plus its falling part at ``a``; above the threshold only the
+    falling part counts, at ``t``. More pairs only raise every chance, so ``max_pairs`` bounds a
+    field that stops sooner."""
     seq = Sequence(threshold=threshold, alpha_lower=alpha, alpha_upper=alpha_upper, w0=w0)
     grid = np.linspace(0.0, threshold, GRID + 1)
-    f, g = _ends(seq, max_pairs, grid)
-    worst = f[-1]
-    for _ in range(m - 1):
-        worst = max(float(np.max(f[1:] + g[:-1] * worst)), float(g[-1] * worst))
-    return float(worst)
+    c = _passages(seq, max_pairs, grid)
+    if m == 1:
+        return float(c["f"][-1])
+
+    def worst(rise: np.ndarray, fall: np.ndarray, rest: float) -> float:
+        return max(float(np.max(rise[1:] + np.minimum(fall[:-1], rest))), float(min(fall[-1], rest)))
+
+    rest = float(c["h"][-1])
+    for _ in range(m - 2):
+        rest = worst(c["h"], c["r"], rest)
+    return worst(c["f"], c["g"], rest)
 
 
 @lru_cache(maxsize=64)
@@ -179,7 +204,8 @@ def chain_alpha(threshold: float, m: int, max_pairs: int, alpha_lower: float = A
                 alpha_upper: float = ALPHA_UPPER, w0: float = W0) -> float:
     """What each repair of a chain of ``m`` may spend on its lower bound: ``alpha_lower`` when the
     chain's worst-case error (:func:`chain_error`) stays within it, else the largest of
-    ``alpha_lower * (1 - i/20)`` that does (``alpha_lower / m``, Bonferroni's share, always does)."""
+    ``alpha_lower * (1 - i/20)`` that does, else Bonferroni's ``alpha_lower / m`` (which is valid for
+    any rule, by the union bound)."""
     for i in range(20):
         alpha = alpha_lower * (1 - i / 20)
         if alpha <= alpha_lower / m:
@@ -190,28 +216,26 @@ def chain_alpha(threshold: float, m: int, max_pairs: int, alpha_lower: float = A
 
 
 def simulate_chain(ps, seq: Sequence, trials: int = 10_000, seed: int = 0) -> dict:
-    """A chain of repairs at rates ``ps`` (cheapest first), each on fresh Bernoulli draws, under the
-    shipped rule (a repair joins when the one before is ruled out; the field stops at the first one
-    established, when all are ruled out, or after ``seq.chain`` pairs in all): how often the interval
-    of the repair in play when the field stopped holds its rate (``coverage``), how often the chosen
-    repair is wrongly established (its rate below the threshold), which one is chosen, and the pairs
-    used."""
-    lower, upper = bounds_table(seq, seq.chain)
+    """A chain of repairs at rates ``ps`` (cheapest first), each with its own Bernoulli result on
+    every pair, under the shipped rule: the first is measured from the first pair; once the one in
+    play is ruled out, the next is measured back over every pair so far and goes on from there; the
+    field stops when the one in play is established, when all are ruled out, or after ``seq.chain``
+    pairs. Returns how often the interval of the repair in play where the field stopped holds its
+    rate (``coverage``), how often the chosen repair is wrongly established (its rate below the
+    threshold), which one is chosen, and the pairs used."""
+    N = seq.chain
+    lower, upper = bounds_table(seq, N)
     rng = np.random.default_rng(seed)
+    looks = np.arange(N + 1)
     covered, wrong, chosen, used = 0, 0, np.zeros(len(ps) + 1, int), []
     for _ in range(trials):
-        total, pick, held = 0, len(ps), True
+        n, pick, held = 1, len(ps), True
         for j, p in enumerate(ps):
-            left = seq.chain - total
-            if left <= 0:
-                break
-            k = np.concatenate([[0], np.cumsum(rng.random(left) < p)])
-            n = np.arange(left + 1)
-            est, out = clears(lower[n, k], seq.threshold), upper[n, k] < seq.threshold
-            verdict = est | out
-            verdict[0] = False
-            stop = int(verdict.argmax()) if verdict.any() else left
-            total += stop
+            k = np.concatenate([[0], np.cumsum(rng.random(N) < p)])
+            est, out = clears(lower[looks, k], seq.threshold), upper[looks, k] < seq.threshold
+            verdict = (est | out)[n:]
+            stop = n + int(verdict.argmax()) if verdict.any() else N
+            n = stop
             held = bool(lower[stop, k[stop]] <= p <= upper[stop, k[stop]])
             if est[stop]:
                 pick = j
@@ -221,8 +245,8 @@ def simulate_chain(ps, seq: Sequence, trials: int = 10_000, seed: int = 0) -> di
                 break  # the budget ran out on an open repair
         covered += held
         chosen[pick] += 1
-        used.append(total)
-    return {"ps": [float(p) for p in ps], "trials": trials, "max_pairs": seq.chain, "alpha_each": seq.alpha,
+        used.append(n)
+    return {"ps": [float(p) for p in ps], "trials": trials, "max_pairs": N, "alpha_each": seq.alpha,
             "chosen": {("oracle" if j == len(ps) else j): int(c) for j, c in enumerate(chosen) if c},
             "coverage": covered / trials, "wrongly_established": wrong / trials,
             "median_pairs": float(np.median(used)), "nominal": 1 - seq.alpha_lower - seq.alpha_upper}
