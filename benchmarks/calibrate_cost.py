@@ -111,7 +111,8 @@ def main() -> None:
                   f"{after:7.1f}   before {args.pairs_before} pairs: {before:7.1f}   ratio {before / after:.2f}")
             total_after, total_before = total_after + after, total_before + before
             pairs_after, pairs_before = pairs_after + sum(n.values()), pairs_before + args.pairs_before
-        print(f"  all fields   after {pairs_after:.0f} pairs: {total_after:.1f} ({total_after / pairs_after:.2f} a pair)"
+        print(f"  all fields   after {pairs_after:.0f} pairs: {total_after:.1f} "
+              f"({total_after / pairs_after:.2f} a pair)"
               f"   before {pairs_before:.0f} pairs: {total_before:.1f} ({total_before / pairs_before:.2f} a pair)"
               f"   ratio {total_before / total_after:.2f}")
 

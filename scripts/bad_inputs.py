@@ -334,6 +334,7 @@ def _prepare_policies(s: Path, say) -> None:
              "max-pairs-neg": ("max_pairs", -1), "threshold-tiny": ("threshold", 1e-300),
              "version-true": ("kvprobe_field_policy", True), "version-1": ("kvprobe_field_policy", 1),
              "agreement-raised": ("fields timestamp", "strategies", "erratum_turn", "agreement", "k", 83),
+             "procedure-x": ("procedure", "bonferroni"),
              "other-template": ("template", "sha256", "0123456789abcdef")}
     for name, (*keys, value) in edits.items():
         data = yaml.safe_load(good)
@@ -759,7 +760,8 @@ def policy_trust() -> list[Bad]:
             "change-7.5": "change_rate.value: 7.5", "telepathy": "candidates: [telepathy]", "alpha-5": "alpha_lower: 5",
             "max-pairs-neg": "max_pairs: -1", "threshold-tiny": "threshold: 1e-300",
             "version-true": "kvprobe_field_policy: true", "version-1": "kvprobe_field_policy: 1 (no counts to check)",
-            "agreement-raised": "a ruled-out candidate's agreement raised to 83/83",
+            "agreement-raised": "a candidate the chain never reached given 83 agreements",
+            "procedure-x": "procedure: bonferroni",
             "unknown-field": "a field not in the template",
             "int-field": "an integer field name", "dup-key": "a key given twice"}
     agent = ["serve-bench", "--model", "toy-copy", "--workload", "agent", "--url", "http://127.0.0.1:9",
@@ -770,6 +772,10 @@ def policy_trust() -> list[Bad]:
         Bad([*cal[:1], "cal-spec.yaml", *cal[1:], "--threshold", "1e-300"], "calibrate --threshold 1e-300", 2,
             quote="[0.5, 1)"),
         Bad([*cal[:1], "cal-spec.yaml", *cal[1:], "--threshold", "0.3"], "calibrate --threshold 0.3", 2),
+        Bad([*cal[:1], "cal-spec.yaml", *cal[1:], "--oracle", "half"], "calibrate --oracle half", 2,
+            quote="prefix, full"),
+        Bad([*cal[:1], "cal-spec.yaml", *cal[1:], "--procedure", "bonferroni"], "calibrate --procedure bonferroni", 2,
+            quote="chain, shared"),
         Bad(["calibrate", "cal-spec-reordered.yaml", "--model", "toy-qwen2", "--max-pairs", "2", "--out",
              "cal-order"], "calibrate resumed with fields: reordered (another draw sequence)", 2, quote="field_order"),
         Bad(["calibrate", "cal-spec-lengths.yaml", "--model", "toy-qwen2", "--max-pairs", "1", "--out", "cal-len"],

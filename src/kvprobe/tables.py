@@ -206,7 +206,7 @@ UNITS = {"m": "logits", "m_stale": "logits", "m_oracle": "logits", "m_old": "log
          "seconds": "seconds", "pairs": "count", "skipped": "count", "errors": "count", "spurious_flips": "count",
          "change_rate": "share (0 to 1)", "final_loss": "nats", "steps": "count (optimizer steps)",
          "contamination": "share (0 to 1)", "contamination_changed": "count", "contamination_n": "count",
-         "changed": "share (0 to 1) or true/false",
+         "changed": "share (0 to 1) or true/false", "oracle_prefix_share": "share (0 to 1)",
          **dict.fromkeys(("recovery", "recovery_lo", "recovery_hi"),
                          "ratio of the oracle's flip (1: the oracle's, 0: the stale cache's; may leave [0, 1])")}
 

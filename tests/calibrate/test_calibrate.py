@@ -50,16 +50,18 @@ def test_a_chain_of_candidates_keeps_the_guarantee(ps):
 
 
 def test_the_chains_error_is_computed_and_its_alpha_cut_where_it_must_be():
-    """chain_error is exact up to its grid: a simulation of the worst kind of case approaches it from
-    below, never above; at threshold 0.5 ten candidates of 300 pairs at the full alpha would exceed
-    0.045 (0.04503), so chain_alpha cuts each one's share until the chain's error is within it."""
-    worst = chain_error(0.95, 0.045, 2, 300)
-    got = simulate_chain((0.3, 0.949), Sequence(threshold=0.95, m=2, chain=300), trials=20_000, seed=7)
+    """chain_error bounds the chain's error from above: a simulation of the worst kind of case
+    (the first ruled out at once, the second just below the threshold) comes close under it; at
+    threshold 0.5 three candidates of 200 pairs at the full alpha could exceed 0.045 (each alone
+    reaches 0.031 with five unbroken agreements), so chain_alpha cuts each one's share until the
+    chain's worst case is within it."""
+    worst = chain_error(0.95, 0.045, 2, 200)
+    got = simulate_chain((0.3, 0.949), Sequence(threshold=0.95, m=2, chain=200), trials=20_000, seed=7)
     assert 0.03 < got["wrongly_established"] <= worst + 0.004 and worst <= 0.045, (got, worst)
-    assert chain_error(0.5, 0.045, 10, 300) > 0.045
-    cut = chain_alpha(0.5, 10, 300)
-    assert cut < 0.045 and chain_error(0.5, cut, 10, 300) <= 0.045
-    assert Sequence(threshold=0.5, m=10, chain=300).alpha == cut
+    assert chain_error(0.5, 0.045, 3, 200) > 0.045
+    cut = chain_alpha(0.5, 3, 200)
+    assert 0.015 < cut < 0.045 and chain_error(0.5, cut, 3, 200) <= 0.045
+    assert Sequence(threshold=0.5, m=3, chain=200).alpha == cut
 
 
 def test_a_naive_interval_would_not_cover_under_the_same_stopping():

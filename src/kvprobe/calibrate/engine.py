@@ -5,12 +5,12 @@ For each field of the template, pairs are drawn (every field at a value from its
 field moved to another value), and each pair is run three ways: the stale cache's decision, the
 oracle's (the new prompt prefilled from the prefix it shares with the old one: the cache up to the
 field's first token is reused, as a serving engine's prefix cache does; ``oracle="full"`` prefills
-it whole) and one candidate repair's. A candidate's stream
-is "its decision equals the oracle's": on a pair where the oracle's decision changed, that is
-agreement; where it did not, it is the absence of a spurious flip. The candidates (given cheapest
-first) form a chain (:mod:`kvprobe.stopping.sequence`): the first is measured until the confidence
-sequence allows it a verdict; once it is ruled out the next joins, on the pairs after that point
-only. The field stops when the candidate in play is established, when every candidate is ruled out
+it whole) and the candidate repair in play. A candidate's stream is "its decision equals the
+oracle's": on a pair where the oracle's decision changed, that is agreement; where it did not, it
+is the absence of a spurious flip. The candidates (given cheapest first) form a chain
+(:mod:`kvprobe.stopping.sequence`): the first is measured until the confidence sequence allows it
+a verdict; once it is ruled out the next is measured back over the pairs so far, and goes on from
+there. The field stops when the candidate in play is established, when every candidate is ruled out
 (then the oracle), or at ``max_pairs``. Pairs whose old and new value have the same token ids change
 nothing the model can see, and pairs whose values tokenise to different lengths cannot be edited in
 place: both are counted, not measured. A field made mostly of them gets no repair verdict: it is
@@ -20,9 +20,7 @@ oracle) (:func:`kvprobe.stopping.rule.unmeasured`).
 
 from __future__ import annotations
 
-import hashlib
 import random
-import string
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,8 +30,8 @@ import pandas as pd
 import torch
 import yaml
 
+from kvprobe.calibrate.spec import CalibrationSpec, context_for, load_spec  # noqa: F401  (imported from here too)
 from kvprobe.calibrate.summary import policy_of, summarize
-from kvprobe.calibrate.values import ValueSet, parse_values
 from kvprobe.defaults import DEFAULT_THRESHOLD
 from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.executor import Context, Serial
@@ -47,112 +45,6 @@ SUMMARY = CALIBRATION_SUMMARY  # the two tables' names are kvprobe.tables'
 POLICY_FILE = "field_policy.yaml"
 CALIBRATE_MANIFEST = "calibrate_manifest.json"
 UNKNOWN_SHARE = 0.2  # a prompt with more [UNK] tokens than this is refused
-
-
-@dataclass
-class CalibrationSpec:
-    """A template with ``{name}`` fields, each field's value set, the question and its two options."""
-
-    template: str
-    fields: dict[str, ValueSet]
-    question: str
-    options: list[str]
-    system: str | None = None
-    path: str = "<spec>"
-
-    @property
-    def pieces(self) -> list[tuple[str, str]]:
-        """("text", literal) and ("field", name) in template order."""
-        out = []
-        for literal, name, fmt, conv in string.Formatter().parse(self.template):
-            if literal:
-                out.append(("text", literal))
-            if name is not None:
-                out.append(("field", name))
-        return out
-
-    def digest(self) -> str:
-        data = {"template": self.template, "fields": {k: v.spec for k, v in self.fields.items()},
-                "question": self.question, "options": self.options, "system": self.system}
-        return hashlib.sha256(yaml.safe_dump(data, sort_keys=True).encode()).hexdigest()[:16]
-
-    def prompt_digest(self) -> str:
-        """The digest of the prompt alone (template, question, options, system; not the value sets):
-        what an :class:`~kvprobe.api.EditableContext` built from this spec has too
-        (:func:`kvprobe.field_policy.prompt_digest`), so a field policy can be checked against a
-        context it is applied to."""
-        from kvprobe.field_policy import prompt_digest
-
-        return prompt_digest(self.template, self.question, self.options, self.system)
-
-
-def load_spec(path: Path | str) -> CalibrationSpec:
-    """A calibration spec from YAML: ``template``, ``fields`` (name: value set), ``question``,
-    ``options`` (two), optional ``system``. Every problem is one line naming the file. Values reach
-    the model as typed: a key given twice, or an unquoted scalar YAML would read as a number, a
-    boolean, a date or null (``10:45``, ``010``, ``yes``), is refused (:mod:`kvprobe.yamlio`), and so
-    is a value that is not one line of plain text (:func:`kvprobe.datasets.schema.value_problem`)."""
-    from kvprobe import yamlio
-    from kvprobe.datasets.schema import template_pieces
-
-    path = Path(path)
-    if path.is_dir():
-        raise KvprobeError(f"calibration spec {path} is a folder; give a YAML file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise KvprobeError(f"calibration spec not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise KvprobeError(f"{path} cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
-    data = yamlio.load_text(text, str(path))
-    keys = ("template", "fields", "question", "options")
-    if not isinstance(data, dict) or any(k not in data for k in keys):
-        missing = [k for k in keys if not isinstance(data, dict) or k not in data]
-        raise KvprobeError(f"{path} is not a calibration spec (it lacks {', '.join(missing)}); keys: "
-                           f"{', '.join(keys)}, system")
-    extra = sorted(set(data) - {*keys, "system"})
-    if extra:
-        raise KvprobeError(f"{path}: unknown key {extra[0]!r}; keys: {', '.join(keys)}, system")
-    template, fields, question, options = (data[k] for k in keys)
-    if not isinstance(template, str) or not template.strip():
-        raise KvprobeError(f"{path}: template must be non-empty text with {{name}} for each field")
-    if not isinstance(fields, dict) or not fields:
-        raise KvprobeError(f"{path}: fields must map each field name to its values")
-    if not isinstance(question, str) or not question.strip():
-        raise KvprobeError(f"{path}: question must be non-empty text")
-    if not (isinstance(options, list) and len(options) == 2 and all(isinstance(o, str) and o for o in options)
-            and options[0] != options[1]):
-        raise KvprobeError(f"{path}: options must be a list of two different answers, got {options!r}")
-    if data.get("system") is not None and not isinstance(data["system"], str):
-        raise KvprobeError(f"{path}: system must be text")
-    for name in fields:
-        if not isinstance(name, str) or not name.isidentifier():
-            raise KvprobeError(f"{path}: field name {name!r} is not a name (letters, digits, _)")
-    try:
-        named = [name for _, name in template_pieces(template) if name is not None]
-    except ValueError as exc:
-        raise KvprobeError(f"{path}: {exc}") from None
-    for name in named:
-        if not name.isidentifier():
-            raise KvprobeError(f"{path}: template field {{{name}}} is not a name (letters, digits, _)")
-    if sorted(named) != sorted(fields) or len(set(named)) != len(named):
-        raise KvprobeError(f"{path}: the template's fields ({', '.join(named) or 'none'}) must be the fields "
-                           f"listed ({', '.join(fields)}), each once")
-    return CalibrationSpec(template, {k: parse_values(v, f"{path}: fields.{k}") for k, v in fields.items()},
-                           question, list(options), data.get("system"), str(path))
-
-
-def context_for(lm, spec: CalibrationSpec, values: dict[str, str], form: str = "auto"):
-    """An EditableContext holding the template at ``values``."""
-    from kvprobe.api import EditableContext
-
-    ctx = EditableContext(lm, system=spec.system, form=form)
-    for kind, x in spec.pieces:
-        if kind == "text":
-            ctx.add_text(x)
-        else:
-            ctx.add_field(x, values[x])
-    return ctx.ask(spec.question, spec.options)
 
 
 def _pairs(spec: CalibrationSpec, name: str, seed: int, n: int):
@@ -199,7 +91,8 @@ class SharedPrefix:
         return cache
 
 
-PROCEDURES = {"chain": "the candidates one after another, each on its own pairs",
+PROCEDURES = {"chain": "the candidate in play on each pair; once it is ruled out, the next measured back over the "
+                       "pairs so far",
               "shared": "every candidate on every pair, alpha_lower shared"}
 ORACLES = {"prefix": "the old prompt's cache up to the field, the new prompt prefilled from there",
            "full": "a full prefill of the new prompt"}
@@ -273,15 +166,17 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
               threshold: float = DEFAULT_THRESHOLD,
               max_pairs: int = 200, seed: int = 0, form: str = "auto", parts=None,
               progress: Callable[[str, int, int], None] = lambda field, done, total: None,
-              executor=None, oracle: str = "prefix", procedure: str = "chain") -> Calibration:
+              executor=None, oracle: str = "prefix", procedure: str = "chain",
+              say: Callable[[str], None] = lambda message: None) -> Calibration:
     """Calibrate every field of ``spec`` (or the spec file at that path) on the model ``lm`` (a
     loaded model or a spec :func:`kvprobe.load` takes; see the module docstring).
     ``parts(name)`` gives a :class:`kvprobe.results.CaseStore` per field to keep finished pairs.
     ``oracle`` is how each pair's oracle is computed (:data:`ORACLES`; from the shared prefix by
-    default). ``procedure`` is how the candidates are tested (:data:`PROCEDURES`): ``chain`` (one a
-    pair, the next joining when one is ruled out) or ``shared`` (every candidate on every pair,
-    alpha_lower shared: what kvprobe did before the chain, kept for fields whose cheaper candidates
-    are ruled out only slowly, where the chain spends more pairs).
+    default). ``procedure`` is how the candidates are tested (:data:`PROCEDURES`): ``chain`` (the
+    candidate in play measured; once it is ruled out the next, measured back over the pairs so far)
+    or ``shared`` (every candidate on every pair, alpha_lower shared: what kvprobe did before the
+    chain). ``say`` gets a line when a chain brings its next candidate in (measuring it back over
+    the pairs so far takes a while).
 
     ``executor`` (:mod:`kvprobe.executor`; serial by default) measures the pairs. The sequential
     rule reads them in the order they were drawn, whatever order the workers finish in, so it
@@ -353,6 +248,9 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
                 cand = _in_play(res, seq, candidates) if chain else None
                 if cand is None or res.counts[cand][1] == res.pairs:
                     return False
+                out = candidates[candidates.index(cand) - 1]
+                say(f"{res.name}: {out} ruled out ({res.counts[out][0]} of {res.counts[out][1]} pairs agree); {cand} "
+                    f"joins, measured back over the {res.pairs} pairs so far")
                 for key in list(counted):
                     if cand not in counted[key]:
                         count(key, cand)

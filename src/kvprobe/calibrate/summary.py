@@ -38,7 +38,8 @@ def summarize(rows: pd.DataFrame, results: list, seq: Sequence, change_seq: Sequ
         oracle = got[got.strategy == "oracle"] if len(got) else got
         oracle_s = float(oracle.to_decision_s.median()) if len(oracle) else float("nan")
         # the share of the new prompt (before its decision token) the oracle took from the old cache
-        reuse = float((1 - oracle.tokens_recomputed / (oracle.tokens_total - 1)).mean()) if len(oracle) else float("nan")
+        reuse = (float((1 - oracle.tokens_recomputed / (oracle.tokens_total - 1)).mean()) if len(oracle)
+                 else float("nan"))
         for s in candidates:
             g = got[got.strategy == s] if len(got) else got
             changed, same = (g[g.changed], g[~g.changed]) if len(g) else (g, g)

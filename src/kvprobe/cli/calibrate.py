@@ -95,7 +95,8 @@ def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calib
 
         cal = run_calibration(lm, cal_spec, candidates=specs, threshold=threshold, max_pairs=max_pairs, seed=seed,
                               form=form, parts=lambda name: folder.parts(f"pairs/{name}"), progress=progress,
-                              executor=ex, oracle=oracle, procedure=procedure)
+                              executor=ex, oracle=oracle, procedure=procedure,
+                              say=lambda line: err_console.print(line, highlight=False, markup=False, soft_wrap=True))
     atomic_write_parquet(cal.rows, out / CALIBRATION)
     atomic_write_parquet(cal.summary, out / SUMMARY)
     policy_path = field_policy.write(cal.policy, out / POLICY_FILE)
@@ -190,7 +191,7 @@ def check_policy(policy: Path = typer.Argument(..., help="a field_policy.yaml (f
     first thing that does not hold; 0 with a line per field when all do. What it checks is evidence,
     not a signature: a file whose counts were all rewritten consistently is not caught."""
     from kvprobe import yamlio
-    from kvprobe.calibrate.engine import load_spec
+    from kvprobe.calibrate.spec import load_spec
     from kvprobe.editor.strategies import parse_strategy
     from kvprobe.errors import KvprobeError
     from kvprobe.field_policy import verify

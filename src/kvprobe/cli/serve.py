@@ -207,7 +207,7 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
                                     gating=opt.parse_csv(gating) if gating else None,
                                     arms=opt.parse_csv(arms) if arms else list(agent.ARMS),
                                     policy_tokens=policy_tokens, max_s=max_s or 600.0, seed=seed)
-            from kvprobe.calibrate.engine import load_spec
+            from kvprobe.calibrate.spec import load_spec
 
             base = load_spec(spec)  # a bad template fails before any server starts
             if field_policy is not None:  # and so does a policy that is not evidence, or not of this template

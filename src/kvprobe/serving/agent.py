@@ -112,7 +112,7 @@ class AgentBench(ServerRun):
 
     def __init__(self, cfg: AgentConfig, url: str, out: Path, progress: Callable[[str], None] = lambda s: None,
                  advance: Callable[[], None] = lambda: None, facts: dict | None = None):
-        from kvprobe.calibrate.engine import load_spec
+        from kvprobe.calibrate.spec import load_spec
         from kvprobe.editor.strategies import parse_strategy
         from kvprobe.field_policy import FieldPolicy, load_any
 

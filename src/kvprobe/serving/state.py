@@ -160,7 +160,7 @@ class PromptState:
     rewrites: int = field(init=False, default=0)  # how often an update rewrote the prefix
 
     def __post_init__(self):
-        from kvprobe.calibrate.engine import CalibrationSpec, load_spec
+        from kvprobe.calibrate.spec import CalibrationSpec, load_spec
 
         if not isinstance(self.spec, CalibrationSpec):
             self.spec = load_spec(self.spec)
