@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import typer
@@ -22,10 +23,10 @@ def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calib
                                                         "prompt's cache up to the field, the new prompt prefilled "
                                                         "from there: a serving engine's prefix cache) or full (a "
                                                         "full prefill of the new prompt)"),
-              procedure: str = typer.Option("chain", help="how the candidates are tested: chain (one a pair, "
-                                                           "cheapest first, the next joining once one is ruled "
-                                                           "out) or shared (every candidate on every pair, their "
-                                                           "error shared); docs/calibrate.md"),
+              procedure: str = typer.Option("chain", help="how the candidates are tested: chain (the cheapest "
+                                                           "first; once it is ruled out the next, measured back "
+                                                           "over the pairs so far) or shared (every candidate on "
+                                                           "every pair, their error shared); docs/calibrate.md"),
               seed: opt.Seed = 0, form: opt.Form = opt.DEFAULTS["form"],
               dtype: opt.Dtype = "float32", device: opt.Device = "cpu", device_map: opt.DeviceMap = "none",
               allow_failed_toy: opt.AllowFailedToy = False, out: opt.Out = None,
@@ -46,9 +47,6 @@ def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calib
     from kvprobe.editor.strategies import parse_strategy
     from kvprobe.errors import CheckFailed
     from kvprobe.results import CALIBRATE_CLAIM, ResultsFolder, atomic_write_parquet
-
-    import time
-
     from kvprobe.calibrate.engine import ORACLES, PROCEDURES
     from kvprobe.calibrate.stats import Sequence
     from kvprobe.errors import UsageError
