@@ -147,8 +147,8 @@ def verify(data, path, parse) -> FieldPolicy:
 def _verify(data, path: Path, parse) -> FieldPolicy:
     from kvprobe.identity import KEYS, malformed
     from kvprobe.defaults import THRESHOLD_RANGE, is_threshold
-    from kvprobe.stopping.rule import (DEGENERATE_SHARE, MIN_DRAWN, NOT_MEASURED, FieldResult, chain_problem, decide,
-                                       is_candidate, relevance)
+    from kvprobe.stopping.rule import (DEGENERATE_SHARE, MIN_DRAWN, FieldResult, chain_problem, decide, is_candidate,
+                                       relevance, verdict_of)
     from kvprobe.stopping.sequence import ALPHA_LOWER, ALPHA_UPPER, Sequence
 
     def bad(where: str, what: str):
@@ -288,7 +288,7 @@ def _verify(data, path: Path, parse) -> FieldPolicy:
                     bad(f"{sat}.agreement.value", f"is {value!r}, outside [0, 1]")
             close(a.get("lo"), seq.lower(k, n), f"{sat}.agreement.lo")
             close(a.get("hi"), seq.upper(k, n), f"{sat}.agreement.hi")
-            want = seq.verdict(k, n) if n or not chain else NOT_MEASURED
+            want = verdict_of(seq, k, n) if version >= 4 else seq.verdict(k, n)  # 2 and 3 wrote "open" for 0 pairs
             if e.get("verdict") != want:
                 bad(f"{sat}.verdict", f"is {e.get('verdict')!r}, but {k} of {n} at {thr:g} give {want!r}")
             if chain:

@@ -203,11 +203,15 @@ def test_an_edit_the_tokenizer_cannot_see_is_refused_not_ranked(toy, tmp_path):
     data = yaml.safe_load(open(TOY_SPEC))
     data["fields"]["request_id"] = ["zzqxa", "yyqwb", "wwvuc"]
     (tmp_path / "unk.yaml").write_text(yaml.safe_dump(data))
-    cal = calibrate(toy, load_spec(tmp_path / "unk.yaml"), max_pairs=1, candidates=["field_only"])
-    res = {f.name: f for f in cal.fields}["request_id"]
-    assert res.verdict == "degenerate" and res.chosen == "none" and res.pairs == 0 and res.skipped == 10
-    assert "same token ids" in res.reason and "[UNK]" in res.reason
-    assert cal.policy["fields"]["request_id"]["relevance"] == "degenerate"
+    for procedure in ("chain", "shared"):
+        cal = calibrate(toy, load_spec(tmp_path / "unk.yaml"), max_pairs=1, candidates=["field_only"],
+                        procedure=procedure)
+        res = {f.name: f for f in cal.fields}["request_id"]
+        assert res.verdict == "degenerate" and res.chosen == "none" and res.pairs == 0 and res.skipped == 10
+        assert "same token ids" in res.reason and "[UNK]" in res.reason
+        entry = cal.policy["fields"]["request_id"]
+        assert entry["relevance"] == "degenerate" and entry["strategies"]["field_only"]["verdict"] == "not measured"
+        verify(cal.policy, tmp_path / "p.yaml", parse_strategy)  # what it writes, it reads, either procedure
 
 
 def test_calibrate_command_writes_a_policy_and_resumes_with_a_larger_budget(tmp_path):

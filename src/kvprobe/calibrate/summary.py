@@ -10,17 +10,13 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kvprobe.stopping.rule import NOT_MEASURED, relevance
+from kvprobe.stopping.rule import relevance, verdict_of
 from kvprobe.stopping.sequence import ALPHA_LOWER, ALPHA_UPPER, Sequence
 
 
 def _share(seq: Sequence, k: int, n: int) -> dict:
     return {"k": int(k), "n": int(n), "value": k / n if n else float("nan"), "lo": seq.lower(k, n),
             "hi": seq.upper(k, n)}
-
-
-def verdict_of(seq: Sequence, k: int, n: int) -> str:
-    return seq.verdict(k, n) if n else NOT_MEASURED
 
 
 def summarize(rows: pd.DataFrame, results: list, seq: Sequence, change_seq: Sequence,

@@ -18,7 +18,7 @@ from kvprobe.repair_rule import NOT_REPAIRS, is_repair
 SAME_IDS = "old and new value have the same token ids"
 DEGENERATE_SHARE = 0.5  # a field whose drawn pairs are mostly not measurable gets no repair verdict
 MIN_DRAWN = 10  # ... once at least this many pairs were drawn
-NOT_MEASURED = "not measured"  # the verdict of a candidate a chain never reached (no pair of its own)
+NOT_MEASURED = "not measured"  # the verdict of a candidate with no pair of its own (verdict_of)
 NOT_CANDIDATES = NOT_REPAIRS  # the two ends (stale, oracle), a rewritten prompt (hoist), a chooser (auto)
 
 
@@ -119,6 +119,13 @@ def relevance(verdict: str, changed: int, pairs: int, change_seq: Sequence) -> s
     if changed == 0:
         return "inert"
     return "gating" if change_seq.lower(changed, pairs) >= 0.5 else "mixed"
+
+
+def verdict_of(seq: Sequence, k: int, n: int) -> str:
+    """A candidate's verdict as a policy file (version 4 on) records it: ``not measured`` where it
+    has no pair of its own (a chain never reached it, or the field had no measured pair), else its
+    sequence's verdict."""
+    return seq.verdict(k, n) if n else NOT_MEASURED
 
 
 def chain_problem(counts: dict[str, list[int]], unchanged: dict[str, int], seq: Sequence, pairs: int,
