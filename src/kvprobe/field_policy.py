@@ -35,7 +35,6 @@ DEFAULT = "oracle"  # what a field the policy did not calibrate gets: the only d
 TOL = 2e-4  # a recorded bound (written to 4 decimals) against the one recomputed from its counts
 TOP_KEYS = ("kvprobe_field_policy", "model", "template", "threshold", "alpha_lower", "alpha_upper", "procedure",
             "candidates", "max_pairs", "method", "default", "fields")
-PROCEDURES = ("chain", "shared")  # kvprobe.calibrate.engine.PROCEDURES says what each is
 FIELD_KEYS = ("repair", "verdict", "reason", "relevance", "pairs", "skipped_pairs", "same_id_pairs", "change_rate",
               "seconds", "strategies")
 STRATEGY_KEYS = ("agreement", "spurious_flips", "n_unchanged", "flip_hi", "verdict", "frac_recomputed",
@@ -147,8 +146,8 @@ def verify(data, path, parse) -> FieldPolicy:
 def _verify(data, path: Path, parse) -> FieldPolicy:
     from kvprobe.identity import KEYS, malformed
     from kvprobe.defaults import THRESHOLD_RANGE, is_threshold
-    from kvprobe.stopping.rule import (DEGENERATE_SHARE, MIN_DRAWN, FieldResult, chain_problem, decide, is_candidate,
-                                       relevance, verdict_of)
+    from kvprobe.stopping.rule import (DEGENERATE_SHARE, MIN_DRAWN, PROCEDURES, FieldResult, chain_problem, decide,
+                                       is_candidate, relevance, verdict_of)
     from kvprobe.stopping.sequence import ALPHA_LOWER, ALPHA_UPPER, Sequence
 
     def bad(where: str, what: str):

@@ -35,7 +35,8 @@ from kvprobe.calibrate.summary import policy_of, summarize
 from kvprobe.defaults import DEFAULT_THRESHOLD
 from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.executor import Context, Serial
-from kvprobe.stopping.rule import (DEGENERATE_SHARE, MIN_DRAWN, NOT_CANDIDATES, SAME_IDS, FieldResult,  # noqa: F401
+from kvprobe.stopping.rule import (DEGENERATE_SHARE, MIN_DRAWN, NOT_CANDIDATES, PROCEDURES, SAME_IDS,  # noqa: F401
+                                   FieldResult,
                                    check_threshold, decide, is_candidate, unmeasured)
 from kvprobe.stopping.sequence import Sequence
 from kvprobe.tables import CALIBRATION, CALIBRATION_SUMMARY  # noqa: F401  (the CLI imports both from here)
@@ -53,7 +54,12 @@ def _pairs(spec: CalibrationSpec, name: str, seed: int, n: int):
     rng = random.Random(f"{seed}:{name}")
     for i in range(n):
         base = {f: vs.sample(rng) for f, vs in spec.fields.items()}
-        yield f"{i:05d}", (base, spec.fields[name].other(base[name], rng))
+        yield pair_key(i), (base, spec.fields[name].other(base[name], rng))
+
+
+def pair_key(i: int) -> str:
+    """The key of a field's ``i``-th drawn pair (its part's name in the results folder)."""
+    return f"{i:05d}"
 
 
 _PREFIX = "calibrate.prefix"  # the SharedPrefix of the process measuring pairs (Context.keep)
@@ -91,11 +97,17 @@ class SharedPrefix:
         return cache
 
 
-PROCEDURES = {"chain": "the candidate in play on each pair; once it is ruled out, the next measured back over the "
-                       "pairs so far",
-              "shared": "every candidate on every pair, alpha_lower shared"}
 ORACLES = {"prefix": "the old prompt's cache up to the field, the new prompt prefilled from there",
            "full": "a full prefill of the new prompt"}
+
+
+def check_choice(name: str, value: str, accepted: dict[str, str], flag: str = "") -> str:
+    """``value`` if it is one of ``accepted`` (:data:`ORACLES`, :data:`PROCEDURES`), else a one-line
+    UsageError naming each accepted value and what it is (``flag``: ``--`` where the CLI asks)."""
+    if value not in accepted:
+        raise UsageError(f"{flag}{name} must be one of {', '.join(accepted)} ("
+                         + "; ".join(f"{k}: {v}" for k, v in accepted.items()) + f"), got {value!r}")
+    return value
 
 
 def measure_pair(lm, spec: CalibrationSpec, name: str, base: dict[str, str], new: str, candidates: list,
@@ -110,8 +122,7 @@ def measure_pair(lm, spec: CalibrationSpec, name: str, base: dict[str, str], new
     from kvprobe.editor.score import measure_strategies
     from kvprobe.editor.strategies import Oracle, PrefixOracle, parse_strategy
 
-    if oracle not in ORACLES:
-        raise UsageError(f"oracle must be one of {', '.join(ORACLES)}, got {oracle!r}")
+    check_choice("oracle", oracle, ORACLES)
     ctx = context_for(lm, spec, base, form)
     head = {"field": name, "old_value": base[name], "new_value": new,
             "others": yaml.safe_dump({k: v for k, v in base.items() if k != name}, default_flow_style=True).strip()}
@@ -199,10 +210,8 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
         raise UsageError(f"candidates are repairs to measure, cheapest first (not {', '.join(NOT_CANDIDATES)}); got "
                          f"{', '.join(bad) or 'none'}")
     check_threshold(threshold, "threshold")
-    if oracle not in ORACLES:
-        raise UsageError(f"oracle must be one of {', '.join(ORACLES)}, got {oracle!r}")
-    if procedure not in PROCEDURES:
-        raise UsageError(f"procedure must be one of {', '.join(PROCEDURES)}, got {procedure!r}")
+    check_choice("oracle", oracle, ORACLES)
+    check_choice("procedure", procedure, PROCEDURES)
     chain = procedure == "chain"
     typed = {s: parse_strategy(s) for s in candidates}
     prefix = SharedPrefix(lm)  # the template before its first field: prefilled once, for every field's pairs

@@ -47,16 +47,11 @@ def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calib
     from kvprobe.editor.strategies import parse_strategy
     from kvprobe.errors import CheckFailed
     from kvprobe.results import CALIBRATE_CLAIM, ResultsFolder, atomic_write_parquet
-    from kvprobe.calibrate.engine import ORACLES, PROCEDURES
+    from kvprobe.calibrate.engine import ORACLES, PROCEDURES, check_choice, pair_key
     from kvprobe.calibrate.stats import Sequence
-    from kvprobe.errors import UsageError
 
-    if oracle not in ORACLES:
-        raise UsageError(f"--oracle must be one of {', '.join(ORACLES)} ("
-                         + "; ".join(f"{k}: {v}" for k, v in ORACLES.items()) + f"), got {oracle!r}")
-    if procedure not in PROCEDURES:
-        raise UsageError(f"--procedure must be one of {', '.join(PROCEDURES)} ("
-                         + "; ".join(f"{k}: {v}" for k, v in PROCEDURES.items()) + f"), got {procedure!r}")
+    check_choice("oracle", oracle, ORACLES, "--")  # before any model is loaded
+    check_choice("procedure", procedure, PROCEDURES, "--")
     specs = [parse_strategy(s).spec for s in opt.parse_csv(candidates)]
     cal_spec = load_spec(spec)
     out = usable_out(out or opt.default_out("calibrate", model))
@@ -71,13 +66,14 @@ def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calib
         dtype=dtype)
     folder.check()
     ex = executor_for(ctx, executor, workers, ray_address, gpus_per_worker, threads_per_worker, retries)
-    if bf16_note(dtype, device):
-        err_console.print(bf16_note(dtype, device), highlight=False, markup=False, soft_wrap=True)
+    note = bf16_note(dtype, device)
+    if note:
+        err_console.print(note, highlight=False, markup=False, soft_wrap=True)
     lm = load_with_status(model, dtype, device, allow_failed_toy=allow_failed_toy, device_map=device_map)
     folder.claim(lm)
     first_look = Sequence(threshold=threshold, m=len(specs), chain=max_pairs if procedure == "chain" else 0).n0
     first = next(iter(cal_spec.fields))
-    fresh = folder.parts(f"pairs/{first}").get(f"{0:05d}") is None  # a resumed first pair costs nothing
+    fresh = folder.parts(f"pairs/{first}").get(pair_key(0)) is None  # a resumed first pair costs nothing
     start = time.perf_counter()
     with ex, progress_bar() as bar:
         tasks = {first: bar.add_task(f"calibrating {first}", total=max_pairs)}

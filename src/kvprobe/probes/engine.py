@@ -199,11 +199,11 @@ class PairMemo:
             self._bytes += pc.nbytes
 
 
-
 def pair_memo(ctx) -> PairMemo:
     """The :class:`PairMemo` of the process running a task (an executor's context: :meth:`keep` under
     ``pairs``): the run's own where it handed it in (``Context(lm, pairs=...)``), else one built there."""
     return ctx.keep("pairs", PairMemo)
+
 
 # -- the knockout probes' mechanics: hooks on the attention mask and head outputs, batched reads -----
 HeadSet = frozenset  # of (layer, head) pairs

@@ -19,6 +19,9 @@ SAME_IDS = "old and new value have the same token ids"
 DEGENERATE_SHARE = 0.5  # a field whose drawn pairs are mostly not measurable gets no repair verdict
 MIN_DRAWN = 10  # ... once at least this many pairs were drawn
 NOT_MEASURED = "not measured"  # the verdict of a candidate with no pair of its own (verdict_of)
+PROCEDURES = {"chain": "the candidate in play on each pair; once it is ruled out, the next measured back over the "
+                       "pairs so far",
+              "shared": "every candidate on every pair, alpha_lower shared"}  # how a field's candidates are tested
 NOT_CANDIDATES = NOT_REPAIRS  # the two ends (stale, oracle), a rewritten prompt (hoist), a chooser (auto)
 
 

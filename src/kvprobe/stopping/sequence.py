@@ -135,29 +135,30 @@ def _passages(seq: Sequence, max_n: int, ps: np.ndarray) -> dict[str, np.ndarray
     first verdict ends established; ``g``, that it ends ruled out; ``h``, that its lower bound ever
     reaches the threshold; ``r``, that its upper bound ever falls below it."""
     lower, upper = bounds_table(seq, max_n)
-    est = clears(lower, seq.threshold)
-    out = (upper < seq.threshold) & ~est
+    est, below = clears(lower, seq.threshold), upper < seq.threshold
+    never = np.zeros_like(est)
     p = ps[:, None]
-    got = {}
-    for name, stop_est, stop_out in (("fg", True, True), ("h", True, False), ("r", False, True)):
+
+    def first_passage(stop_a: np.ndarray, stop_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The chances that a path first enters ``stop_a`` and that it first enters ``stop_b`` (the two
+        disjoint; a path stops at the first it enters)."""
         dist = np.zeros((len(ps), max_n + 2))
         dist[:, 0] = 1.0
-        hit_est, hit_out = np.zeros(len(ps)), np.zeros(len(ps))
+        hit_a, hit_b = np.zeros(len(ps)), np.zeros(len(ps))
         for n in range(1, max_n + 1):
             nxt = dist * (1 - p)
             nxt[:, 1:] += dist[:, :-1] * p
             dist = nxt
-            e, o = est[n, :n + 1] & stop_est, (upper[n, :n + 1] < seq.threshold) & stop_out
-            if name == "fg":
-                o = out[n, :n + 1]
-            hit_est += dist[:, :n + 1][:, e].sum(axis=1)
-            hit_out += dist[:, :n + 1][:, o].sum(axis=1)
-            dist[:, :n + 1][:, e | o] = 0.0
-        if name == "fg":
-            got["f"], got["g"] = hit_est, hit_out
-        else:
-            got[name] = hit_est if name == "h" else hit_out
-    return got
+            a, b = stop_a[n, :n + 1], stop_b[n, :n + 1]
+            hit_a += dist[:, :n + 1][:, a].sum(axis=1)
+            hit_b += dist[:, :n + 1][:, b].sum(axis=1)
+            dist[:, :n + 1][:, a | b] = 0.0
+        return hit_a, hit_b
+
+    f, g = first_passage(est, below & ~est)
+    h, _ = first_passage(est, never)
+    _, r = first_passage(never, below)
+    return {"f": f, "g": g, "h": h, "r": r}
 
 
 GRID = 512  # rates on [0, threshold] between which chain_error brackets the worst case
