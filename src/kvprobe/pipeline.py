@@ -23,7 +23,7 @@ import pandas as pd
 
 from kvprobe.composer.gate import run_compose, summarize_compose
 from kvprobe.config import RunConfig, load_cases, settled
-from kvprobe.datasets import Skip, align, require_answers
+from kvprobe.datasets import Skip, align
 from kvprobe.datasets.tokens import case_tokens
 from kvprobe.editor.causal_rule import fit_rule
 from kvprobe.editor.runner import edit_case
@@ -31,6 +31,7 @@ from kvprobe.editor.strategies import Selective
 from kvprobe.editor.topk import export_topk, kinds_of_top
 from kvprobe.errors import no_decision_case
 from kvprobe.executor import Context, Serial
+from kvprobe.experiment import Experiment
 from kvprobe.models import load_model
 from kvprobe.probes import STAGES, Inputs, in_order
 from kvprobe.probes.engine import PairMemo, pair_memo
@@ -110,31 +111,39 @@ def _probe_case(probe):
     return lambda ctx, a: probe.run_case(ctx.lm, a, pair_memo(ctx).get(a))
 
 
-def run_folder(cfg: RunConfig, out: Path | str) -> ResultsFolder:
-    """``kvprobe run``'s results folder for ``cfg``: claimed by config.json, which a rerun must match
-    (with today's defaults filled in)."""
-    return ResultsFolder(out, RUN_CLAIM, cfg.model_dump(), settle=settled)
+def run_experiment(cfg: RunConfig, out: Path | str) -> Experiment:
+    """``kvprobe run`` as an :class:`~kvprobe.experiment.Experiment`: its folder claimed by config.json, which a
+    rerun must match (with today's defaults filled in)."""
+    return Experiment("run", out, RUN_CLAIM, cfg.model_dump(), settle=settled)
 
 
-def run(cfg: RunConfig, out: Path | str, progress=None, lm=None, cases: list | None = None, executor=None) -> dict:
+def open_run(exp: Experiment, cfg: RunConfig, load, cases=None, executor=None):
+    """Every check of ``kvprobe run`` and its claim (:meth:`Experiment.open`): ``cases()`` the dataset's cases
+    (default: ``cfg``'s), ``load()`` the model, ``executor()`` the executor (default: serial); the selection's
+    alignment (:func:`kvprobe.selection.prepare`) pre-checks every case and strategy."""
+    return exp.open(load, cases=cases or (lambda: load_cases(cfg)), executor=executor,
+                    prepare=lambda lm, given: prepare(cfg, lm, given))
+
+
+def run(cfg: RunConfig, out: Path | str, progress=None, lm=None, cases: list | None = None, executor=None,
+        exp: Experiment | None = None) -> dict:
     """Run everything ``cfg`` asks for into ``out``; returns the manifest.
 
-    Every input is checked before ``out`` is claimed or any model work starts (:func:`prepare`);
-    ``cases`` are the dataset's cases when the caller already resolved them. ``executor``
+    Every input is checked before ``out`` is claimed or any model work starts (:func:`open_run`), unless
+    ``exp`` comes opened (the command line opens it, to load the model with its own status line); ``lm``
+    and ``cases`` are the model and the dataset's cases when the caller already has them. ``executor``
     (:mod:`kvprobe.executor`: serial by default, or Ray workers) computes the per-case stages.
     """
-    executor = executor or Serial()
-    out = Path(out)
     watch = Stopwatch(progress or (lambda name, total: (lambda: None)))
     t0 = time.perf_counter()
-
-    cases = cases if cases is not None else load_cases(cfg)
-    require_answers(cases, "kvprobe run")
-    lm = lm or watch.run("load", lambda: load_model(cfg.model, dtype=cfg.dtype, device=cfg.device,
-                                                    device_map=cfg.device_map))
-    sel = prepare(cfg, lm, cases)
-    folder = run_folder(cfg, out)
-    folder.claim(lm, cases)
+    if exp is None or exp.opened is None:
+        exp = exp or run_experiment(cfg, out)
+        load = (lambda: lm) if lm is not None else (lambda: watch.run("load", lambda: load_model(
+            cfg.model, dtype=cfg.dtype, device=cfg.device, device_map=cfg.device_map)))
+        open_run(exp, cfg, load, cases=(lambda: cases) if cases is not None else None,
+                 executor=(lambda: executor) if executor is not None else None)
+    out, folder = exp.out, exp.folder
+    lm, sel, executor = exp.opened.lm, exp.opened.prepared, exp.opened.executor
     # each case's two caches (and residual streams, for a probe stage that reads them): prefilled
     # once, at validity, for every later stage
     pairs = PairMemo(lm, residuals=any(stage.residuals for stage in in_order(cfg.probes)))

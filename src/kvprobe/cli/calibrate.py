@@ -46,7 +46,8 @@ def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calib
                                           calibrate as run_calibration)
     from kvprobe.editor.strategies import parse_strategy
     from kvprobe.errors import CheckFailed
-    from kvprobe.results import CALIBRATE_CLAIM, ResultsFolder, atomic_write_parquet
+    from kvprobe.experiment import Experiment
+    from kvprobe.results import CALIBRATE_CLAIM, atomic_write_parquet
     from kvprobe.calibrate.engine import ORACLES, PROCEDURES, check_choice, pair_key
     from kvprobe.calibrate.stats import Sequence
 
@@ -59,18 +60,20 @@ def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calib
     # so a rerun with a larger budget continues where the last one stopped. The spec's digest is of
     # its content (its keys sorted); the draws also follow the order fields: lists them, so that
     # order is claimed as well (a reordered spec would otherwise resume on another draw sequence)
-    folder = ResultsFolder(out, CALIBRATE_CLAIM, {
+    exp = Experiment("calibrate", out, CALIBRATE_CLAIM, {
         "model": model, "spec": cal_spec.digest(), "field_order": list(cal_spec.fields), "candidates": specs,
         "threshold": threshold, "seed": seed, "form": form, "oracle": oracle, "procedure": procedure},
-        held="calibration with other settings",
-        dtype=dtype)
-    folder.check()
-    ex = executor_for(ctx, executor, workers, ray_address, gpus_per_worker, threads_per_worker, retries)
+        held="calibration with other settings", dtype=dtype)
     note = bf16_note(dtype, device)
-    if note:
-        err_console.print(note, highlight=False, markup=False, soft_wrap=True)
-    lm = load_with_status(model, dtype, device, allow_failed_toy=allow_failed_toy, device_map=device_map)
-    folder.claim(lm)
+
+    def load():
+        if note:
+            err_console.print(note, highlight=False, markup=False, soft_wrap=True)
+        return load_with_status(model, dtype, device, allow_failed_toy=allow_failed_toy, device_map=device_map)
+
+    opened = exp.open(load, executor=lambda: executor_for(ctx, executor, workers, ray_address, gpus_per_worker,
+                                                          threads_per_worker, retries))
+    lm, ex, folder = opened.lm, opened.executor, exp.folder
     first_look = Sequence(threshold=threshold, m=len(specs), chain=max_pairs if procedure == "chain" else 0).n0
     first = next(iter(cal_spec.fields))
     fresh = folder.parts(f"pairs/{first}").get(pair_key(0)) is None  # a resumed first pair costs nothing
@@ -94,12 +97,11 @@ def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calib
     atomic_write_parquet(cal.rows, out / CALIBRATION)
     atomic_write_parquet(cal.summary, out / SUMMARY)
     policy_path = field_policy.write(cal.policy, out / POLICY_FILE)
-    folder.write(CALIBRATE_MANIFEST, folder.manifest(
-        lm, kvprobe_calibrate=1, spec=str(spec), template=cal.policy["template"], settings=folder.settings,
-        method=cal.policy["method"], prefix_tokens_saved=cal.prefix_tokens_saved,
-        executor={**ex.describe(), "pairs_measured_unused": cal.wasted},
-        fields={f.name: {"pairs": f.pairs, "skipped": f.skipped, "seconds": round(f.seconds, 1),
-                         "oracle_prefix_share": _share_of(cal.summary, f.name)} for f in cal.fields}))
+    exp.finish(CALIBRATE_MANIFEST, kvprobe_calibrate=1, spec=str(spec), template=cal.policy["template"],
+               settings=folder.settings, method=cal.policy["method"], prefix_tokens_saved=cal.prefix_tokens_saved,
+               executor={**ex.describe(), "pairs_measured_unused": cal.wasted},
+               fields={f.name: {"pairs": f.pairs, "skipped": f.skipped, "seconds": round(f.seconds, 1),
+                                "oracle_prefix_share": _share_of(cal.summary, f.name)} for f in cal.fields})
     print_table(cal, model, threshold)
     if cal.wasted:
         console.print(f"{executor}: {cal.wasted} pair(s) measured past a field's stopping point were not counted "

@@ -91,6 +91,16 @@ def progress_bar() -> Progress | PlainProgress:
                     TimeRemainingColumn(), console=err_console, transient=True)
 
 
+
+def progress_of(bar):
+    """A step's progress (:meth:`kvprobe.experiment.Experiment.step`): ``(label, total)`` adds a line to ``bar``
+    and gives the tick that advances it."""
+    def start(label: str, total: int | None):
+        task = bar.add_task(label, total=total)
+        return lambda: bar.advance(task)
+
+    return start
+
 def say(spec: str, msg: str) -> None:
     """One plain line on stderr for slow one-off work (downloading, dequantising, training), so it
     shows in logs too, where a live status line is not drawn."""

@@ -9,7 +9,8 @@ import typer
 from rich.table import Table
 
 from kvprobe.cli import options as opt
-from kvprobe.cli.common import console, emit_json, executor_for, load_with_status, progress_bar, usable_out
+from kvprobe.cli.common import (console, emit_json, executor_for, load_with_status, progress_bar, progress_of,
+                                usable_out)
 from kvprobe.errors import UsageError, no_decision_case
 
 
@@ -29,10 +30,10 @@ def edit(ctx: typer.Context, model: opt.Model = opt.DEFAULTS["model"], dataset: 
     """
     from pydantic import ValidationError
 
-    from kvprobe.datasets import require_answers
-    from kvprobe.editor.runner import align_all, run_edits
-    from kvprobe.config import RunConfig, load_cases, precheck_cases
-    from kvprobe.results import EDIT_CLAIM, EDITS, ResultsFolder, check_case_ids
+    from kvprobe.editor.runner import run_edits
+    from kvprobe.config import RunConfig, load_cases
+    from kvprobe.experiment import Experiment, Step
+    from kvprobe.results import EDIT_CLAIM, EDITS
 
     try:
         cfg = RunConfig(model=model, dataset=dataset, strategies=opt.parse_csv(strategies), n=n, seed=seed, cot=opt.parse_ints(cot, "--cot"), form=form, few_shot=few_shot,
@@ -43,26 +44,25 @@ def edit(ctx: typer.Context, model: opt.Model = opt.DEFAULTS["model"], dataset: 
     out = usable_out(out or opt.default_out("edit", model))
     settings = {"command": "edit", "model": model, "dataset": dataset, "n": cfg.n, "seed": seed,
                 "strategies": cfg.strategies, "cot": cfg.cot, "form": form, "few_shot": few_shot, "min_flip": min_flip}
-    folder = ResultsFolder(out, EDIT_CLAIM, settings, held="kvprobe edit with other settings", dtype=dtype)
-    folder.check()  # fail before loading; claimed once every input is valid
-    cases = load_cases(cfg)
-    check_case_ids(c.case_id for c in cases)
-    require_answers(cases, "kvprobe edit")
-    ex = executor_for(ctx, executor, workers, ray_address, gpus_per_worker, threads_per_worker, retries)
-    lm = load_with_status(model, dtype, device, allow_failed_toy=allow_failed_toy, device_map=device_map)
-    aligned, _ = align_all(lm, cases, cfg.form)
-    precheck_cases(lm, aligned, cfg.edit_strategies(), cfg.cot, cfg.form)
-    folder.claim(lm, cases)
-    store = folder.parts("edits")
+    exp = Experiment("edit", out, EDIT_CLAIM, settings, held="kvprobe edit with other settings", dtype=dtype)
+    strategies_ = cfg.edit_strategies()
+    opened = exp.open(lambda: load_with_status(model, dtype, device, allow_failed_toy=allow_failed_toy,
+                                               device_map=device_map),
+                      cases=lambda: load_cases(cfg), align=(cfg.form, strategies_, cfg.cot),
+                      executor=lambda: executor_for(ctx, executor, workers, ray_address, gpus_per_worker,
+                                                    threads_per_worker, retries))
+    cases, lm, ex = opened.cases, opened.lm, opened.executor
+
+    def edits(store, tick):
+        return run_edits(lm, cases, strategies_, cfg.cot, form, min_flip, model_name=model, store=store,
+                         on_case=tick, executor=ex)
+
     with ex, progress_bar() as bar:
-        task = bar.add_task(f"editing {len(cases)} cases x {len(cfg.cot)} CoT settings",
-                            total=len(cases) * len(cfg.cot))
-        df, skipped = run_edits(lm, cases, cfg.edit_strategies(), cfg.cot, form, min_flip, model_name=model, store=store,
-                                on_case=lambda: bar.advance(task), executor=ex)
-    path = store.collect()
-    folder.write("edit_manifest.json", folder.manifest(
-        lm, **folder.settings, executor=ex.describe(),
-        skipped=[{"case_id": s.case_id, "reason": s.reason} for s in skipped]))
+        df, skipped = exp.step(Step("edits", f"editing {len(cases)} cases x {len(cfg.cot)} CoT settings", edits,
+                                    total=len(cases) * len(cfg.cot)), progress=progress_of(bar))
+    path = out / EDITS
+    exp.finish("edit_manifest.json", **exp.folder.settings, executor=ex.describe(),
+               skipped=[{"case_id": s.case_id, "reason": s.reason} for s in skipped])
     n_valid = print_summary(df, all_cases, model, min_flip)
     console.print(f"wrote {path} ({EDITS})")
     if n_valid == 0:

@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from kvprobe.cli import options as opt
-from kvprobe.cli.common import console, load_with_status, progress_bar, usable_out
+from kvprobe.cli.common import console, load_with_status, progress_bar, progress_of, usable_out
 from kvprobe.errors import UsageError
 
 Sessions = Annotated[int, typer.Option(help="dialogue sessions in each user's trajectory (1-32)")]
@@ -63,7 +63,8 @@ def memory(model: opt.Model = opt.DEFAULTS["model"], n: MemN = 40, seed: opt.See
     """
     from kvprobe.datasets.memory import check_options, generate_memory
     from kvprobe.memory import arms, run_memory
-    from kvprobe.results import MEMORY, MEMORY_CLAIM, MEMORY_MANIFEST, ResultsFolder, check_case_ids
+    from kvprobe.experiment import Experiment, Step
+    from kvprobe.results import MEMORY, MEMORY_CLAIM, MEMORY_MANIFEST
 
     span, seam_list = _pair(session_tokens, "--session-tokens"), _seams(seams)
     check_options(n, sessions, span, questions_per_user)
@@ -79,50 +80,55 @@ def memory(model: opt.Model = opt.DEFAULTS["model"], n: MemN = 40, seed: opt.See
                 "arms": [a for _, a in arms(seam_list, policy_users > 0)]}  # other arms' folder: refused
     if policy_users:  # the policy arm's rows depend on its calibration
         settings.update(policy_users=policy_users, threshold=threshold)
-    folder = ResultsFolder(out, MEMORY_CLAIM, settings, held="kvprobe memory with other settings", dtype=dtype)
-    folder.check()  # fail before loading; claimed once every input is valid
-    lm = load_with_status(model, dtype, device, allow_failed_toy=allow_failed_toy, device_map=device_map)
-    data = generate_memory(n, seed, lm.tokenizer, sessions, span, questions_per_user)
-    check_case_ids(q.question_id for q in data.questions)
-    folder.claim(lm, {q.question_id: _Item(q, data.users[q.user_id]) for q in data.questions})
-    store, policy = folder.parts("memory"), None
+    exp = Experiment("memory", out, MEMORY_CLAIM, settings, held="kvprobe memory with other settings", dtype=dtype)
+    opened = exp.open(lambda: load_with_status(model, dtype, device, allow_failed_toy=allow_failed_toy,
+                                               device_map=device_map),
+                      prepare=lambda lm, _: generate_memory(n, seed, lm.tokenizer, sessions, span, questions_per_user),
+                      items=lambda o: {q.question_id: _Item(q, o.prepared.users[q.user_id])
+                                       for q in o.prepared.questions})
+    lm, data, policy = opened.lm, opened.prepared, None
     if policy_users:
-        policy = _calibrate(lm, folder, policy_users, seed, form, sessions, span, threshold, model)
-    with progress_bar() as bar:
-        task = bar.add_task(f"memory: {len(data.questions)} questions of {len(data.users)} users", total=n)
-        df = run_memory(lm, n, seed, form, sessions, span, questions_per_user, seam_list, model_name=model,
-                        store=store, on_question=lambda: bar.advance(task), data=data,
-                        policy=policy.repairs if policy else None)
-    path = store.collect()
-    from kvprobe.memory import equivalence, summarize_memory
+        policy = _calibrate(lm, exp, policy_users, seed, form, sessions, span, threshold, model)
 
-    summ, tost = summarize_memory(df), equivalence(df, margin, alpha)
-    folder.write(MEMORY_MANIFEST, folder.manifest(
-        lm, **folder.settings, margin=margin, alpha=alpha, n_users=len(data.users),
-        tost_test="interval inclusion: the (1 - 2 alpha) Tango score interval for paired proportions",
-        policy=policy.describe() if policy else None,
-        summary=summ.to_dict(orient="records"), equivalence=tost.to_dict(orient="records")))
+    def answers(store, tick):
+        return run_memory(lm, n, seed, form, sessions, span, questions_per_user, seam_list, model_name=model,
+                          store=store, on_question=tick, data=data, policy=policy.repairs if policy else None)
+
+    with progress_bar() as bar:
+        df = exp.step(Step("memory", f"memory: {len(data.questions)} questions of {len(data.users)} users", answers,
+                           total=n), progress=progress_of(bar))
+    path = out / MEMORY
+    from kvprobe.memory import equivalence, summarize_memory
     from kvprobe.reports.summary import write_summary
 
-    summary = write_summary(out)  # summary.json's memory fact, and the report's section, read the folder
+    summ, tost = summarize_memory(df), equivalence(df, margin, alpha)
+    # summary.json's memory fact, and the report's section, read the folder
+    summary = exp.finish(MEMORY_MANIFEST, summarize=write_summary, **exp.folder.settings, margin=margin,
+                         alpha=alpha, n_users=len(data.users),
+                         tost_test="interval inclusion: the (1 - 2 alpha) Tango score interval for paired proportions",
+                         policy=policy.describe() if policy else None,
+                         summary=summ.to_dict(orient="records"), equivalence=tost.to_dict(orient="records"))
     print_summary(summ, tost, model)
     console.print(f"wrote {path} ({MEMORY}) and {summary}")
 
 
-def _calibrate(lm, folder, users: int, seed: int, form: str, sessions: int, span, threshold: float, title: str):
+def _calibrate(lm, exp, users: int, seed: int, form: str, sessions: int, span, threshold: float, title: str):
     """The per-field policy, calibrated on ``users`` calibration users (kept for resume), printed."""
     from kvprobe.datasets.memory import calibration_memory
+    from kvprobe.experiment import Step
     from kvprobe.memory.policy import calibrate_policy
     from kvprobe.results import MEMORY_CALIBRATION
 
     data = calibration_memory(users, seed, lm.tokenizer, sessions, span)
-    store = folder.parts(MEMORY_CALIBRATION.removesuffix(".parquet"))
+
+    def calibrate(store, tick):
+        return calibrate_policy(lm, users, seed, form, sessions, span, threshold, store=store, data=data,
+                                on_element=lambda fact, done: tick())
+
     with progress_bar() as bar:
-        task = bar.add_task(f"policy: calibrating on {users} users ({len(data.users)} edits at most)",
-                            total=len(data.users))
-        policy = calibrate_policy(lm, users, seed, form, sessions, span, threshold, store=store, data=data,
-                                  on_element=lambda fact, done: bar.advance(task))
-    store.collect()
+        policy = exp.step(Step(MEMORY_CALIBRATION.removesuffix(".parquet"), f"policy: calibrating on {users} users "
+                               f"({len(data.users)} edits at most)", calibrate, total=len(data.users)),
+                          progress=progress_of(bar))
     print_policy(policy, title)
     return policy
 

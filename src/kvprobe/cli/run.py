@@ -8,7 +8,7 @@ import typer
 
 from kvprobe.cli import options as opt
 from kvprobe.cli.common import (console, executor_for, given_on_command_line, load_with_status, progress_bar,
-                                usable_out)
+                                progress_of, usable_out)
 from kvprobe.errors import UsageError
 
 
@@ -46,11 +46,9 @@ def run(ctx: typer.Context,
     """
     from pydantic import ValidationError
 
-    from kvprobe.datasets import require_answers
-    from kvprobe.config import RunConfig, load_cases
+    from kvprobe.config import RunConfig
+    from kvprobe.pipeline import open_run, run_experiment
     from kvprobe.pipeline import run as run_pipeline
-    from kvprobe.pipeline import run_folder
-    from kvprobe.results import check_case_ids
 
     given = {name for name in ("model", "dataset", "n", "budget", "threshold", "seed", "form", "few_shot", "probes", "strategies", "cot",
                                "min_flip", "valid_only", "max_controls", "compose", "dtype", "device",
@@ -68,21 +66,13 @@ def run(ctx: typer.Context,
     opt.check_placement(cfg.dtype, cfg.device, cfg.device_map)  # a config file's values too, before any work
     opt.generated_only(cfg.dataset, few_shot=cfg.few_shot != 0)
     out = usable_out(out or Path("results") / opt.folder_name(cfg.model))
-    run_folder(cfg, out).check()  # fail before loading; claimed once all is valid
-    cases = load_cases(cfg)
-    check_case_ids(c.case_id for c in cases)
-    require_answers(cases, "kvprobe run")
-    ex = executor_for(ctx, executor, workers, ray_address, gpus_per_worker, threads_per_worker, retries)
-    lm = load_with_status(cfg.model, cfg.dtype, cfg.device, allow_failed_toy=allow_failed_toy,
-                          device_map=cfg.device_map)
-    with ex, progress_bar() as bar:
-        tasks = {}
-
-        def progress(stage: str, total: int):
-            tasks[stage] = bar.add_task(stage, total=total)
-            return lambda: bar.advance(tasks[stage])
-
-        manifest = run_pipeline(cfg, out, progress=progress, lm=lm, cases=cases, executor=ex)
+    exp = run_experiment(cfg, out)
+    open_run(exp, cfg, lambda: load_with_status(cfg.model, cfg.dtype, cfg.device, allow_failed_toy=allow_failed_toy,
+                                                device_map=cfg.device_map),
+             executor=lambda: executor_for(ctx, executor, workers, ray_address, gpus_per_worker, threads_per_worker,
+                                           retries))
+    with exp.opened.executor, progress_bar() as bar:
+        manifest = run_pipeline(cfg, out, progress=progress_of(bar), exp=exp)
     c = manifest["counts"]
     console.print(f"{cfg.model}: {c['valid_decision']} valid decision cases of {c.get('checked', c['aligned'])} checked "
                   f"({c['aligned']} aligned) "

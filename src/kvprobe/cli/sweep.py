@@ -52,7 +52,7 @@ def sweep(ctx: typer.Context, model: opt.Model = opt.DEFAULTS["model"],
     """
     from pydantic import ValidationError
 
-    from kvprobe.sweep.grid import SweepConfig, run_sweep, sweep_folder
+    from kvprobe.sweep.grid import SweepConfig, open_sweep, run_sweep, sweep_experiment
 
     try:
         cfg = SweepConfig(model=model, layouts=opt.parse_csv(layouts),
@@ -64,17 +64,19 @@ def sweep(ctx: typer.Context, model: opt.Model = opt.DEFAULTS["model"],
     except ValidationError as exc:
         raise UsageError.from_validation(exc, "sweep") from None
     out = usable_out(out or opt.default_out("sweep", model))
-    sweep_folder(cfg, out).check()  # before loading the model
     # device_map is not a SweepConfig key: placement does not change a sweep's settings, the manifest's
     # model_info records it
-    ex = executor_for(ctx, executor, workers, ray_address, gpus_per_worker, threads_per_worker, retries)
-    lm = load_with_status(model, cfg.dtype, cfg.device, allow_failed_toy=allow_failed_toy, device_map=device_map)
-    with ex, progress_bar() as bar:
+    exp = sweep_experiment(cfg, out)
+    open_sweep(exp, cfg, lambda: load_with_status(model, cfg.dtype, cfg.device, allow_failed_toy=allow_failed_toy,
+                                                  device_map=device_map),
+               executor=lambda: executor_for(ctx, executor, workers, ray_address, gpus_per_worker, threads_per_worker,
+                                             retries))
+    with exp.opened.executor, progress_bar() as bar:
         def progress(cell: str, total: int):
             task = bar.add_task(f"{cell} (valid cases)" if cfg.valid else cell, total=total)
             return lambda: bar.advance(task)
 
-        manifest = run_sweep(cfg, lm, out, progress=progress, executor=ex)
+        manifest = run_sweep(cfg, progress=progress, exp=exp)
     print_sweep(out)
     console.print(f"{len(manifest['cells'])} cells in {manifest['wall_s']['cells']:.0f} s of measurement; "
                   f"results in {out}")

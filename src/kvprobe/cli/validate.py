@@ -13,7 +13,7 @@ import typer
 from rich.table import Table
 
 from kvprobe.cli import options as opt
-from kvprobe.cli.common import console, executor_for, load_with_status, progress_bar, usable_out
+from kvprobe.cli.common import console, executor_for, load_with_status, progress_bar, progress_of, usable_out
 from kvprobe.defaults import GATE_SEAM, GATE_THRESHOLD
 from kvprobe.errors import CheckFailed, UsageError
 
@@ -52,8 +52,9 @@ def validate(ctx: typer.Context, model: opt.Model = opt.DEFAULTS["model"],
     from kvprobe.composer.gate import run_compose, summarize_compose
     from kvprobe.datasets.skills import check_options
     from kvprobe.repair_rule import cases_to_establish, clears
-    from kvprobe.results import (COMPOSE, COMPOSE_MANIFEST, VALIDATE_CLAIM, ResultsFolder, atomic_write_parquet,
-                                 version_entry)
+    from kvprobe.composer.images import check_mrope
+    from kvprobe.experiment import Experiment, Step
+    from kvprobe.results import COMPOSE, COMPOSE_MANIFEST, VALIDATE_CLAIM, atomic_write_parquet, version_entry
 
     seam_list = sorted(set(opt.parse_ints(seams, "--seams")) | {seam})
     bt, nb = opt.parse_ints(block_tokens, "--block-tokens", count=2), opt.parse_ints(blocks, "--blocks", count=2)
@@ -64,32 +65,33 @@ def validate(ctx: typer.Context, model: opt.Model = opt.DEFAULTS["model"],
     # what the per-query parts depend on; a rerun into the same --out resumes only if it matches
     config = {"model": model, "n": n, "seed": seed, "seams": seam_list, "block_tokens": bt, "n_blocks": nb,
               "form": form, "attn": attn, "store": store, **({"images": images} if images else {})}
-    folder = ResultsFolder(out, VALIDATE_CLAIM, config, held="validate run with other settings", dtype=dtype)
-    folder.check()  # before loading
-    ex = executor_for(ctx, executor, workers, ray_address, gpus_per_worker, threads_per_worker, retries)
-    lm = load_with_status(model, dtype, device, attn=attn, allow_failed_toy=allow_failed_toy, device_map=device_map)
-    check_composable(lm)
-    if images:
-        from kvprobe.composer.images import check_mrope
-
-        check_mrope(lm, "--images")
-    folder.claim(lm)  # its queries come from the seed, a claim setting; the model from its content
+    exp = Experiment("validate", out, VALIDATE_CLAIM, config, held="validate run with other settings", dtype=dtype)
+    # its queries come from the seed, a claim setting; the model from its content
+    opened = exp.open(lambda: load_with_status(model, dtype, device, attn=attn, allow_failed_toy=allow_failed_toy,
+                                               device_map=device_map),
+                      executor=lambda: executor_for(ctx, executor, workers, ray_address, gpus_per_worker,
+                                                    threads_per_worker, retries),
+                      checks=[check_composable, *([lambda lm: check_mrope(lm, "--images")] if images else [])])
+    lm, ex = opened.lm, opened.executor
     start = time.perf_counter()
     with ex, progress_bar() as bar:
         pre = bar.add_task("precompiling skills" + (" and images" if images else ""), total=None)
-        task = bar.add_task(f"composing {n} queries x {len(seam_list)} seams x 2", total=n)
-        df = run_compose(lm, n=n, seed=seed, seams=seam_list, block_tokens=tuple(bt), n_blocks=tuple(nb),
-                         form=form, store_dir=out / "blocks" if store else None, model_name=model,
-                         parts=folder.parts("compose"), on_query=lambda: bar.advance(task),
-                         on_precompile=lambda i, total: bar.update(pre, completed=i, total=total), executor=ex,
-                         images=images)
+
+        def compose(parts, tick):
+            return run_compose(lm, n=n, seed=seed, seams=seam_list, block_tokens=tuple(bt), n_blocks=tuple(nb),
+                               form=form, store_dir=out / "blocks" if store else None, model_name=model,
+                               parts=parts, on_query=tick,
+                               on_precompile=lambda i, total: bar.update(pre, completed=i, total=total), executor=ex,
+                               images=images)
+
+        df = exp.step(Step("compose", f"composing {n} queries x {len(seam_list)} seams x 2", compose, total=n,
+                           collect=False), progress=progress_of(bar))
     path = atomic_write_parquet(df, out / COMPOSE)
     summary = summarize_compose(df)
-    folder.write(COMPOSE_MANIFEST, folder.manifest(
-        lm, **version_entry(COMPOSE_MANIFEST), command="validate", n=n, seed=seed, seams=seam_list, gated_seam=seam,
-        threshold=threshold, block_tokens=bt, n_blocks=nb, form=form, attn=attn, images=images,
-        wall_s=time.perf_counter() - start,
-        summary=summary.to_dict("records"), executor=ex.describe()))
+    exp.finish(COMPOSE_MANIFEST, **version_entry(COMPOSE_MANIFEST), command="validate", n=n, seed=seed,
+               seams=seam_list, gated_seam=seam, threshold=threshold, block_tokens=bt, n_blocks=nb, form=form,
+               attn=attn, images=images, wall_s=time.perf_counter() - start,
+               summary=summary.to_dict("records"), executor=ex.describe())
     table = Table(title=f"composed vs full recompute: {model} ({df.query_id.nunique()} queries, "
                         f"{int(df.context_tokens.median())} median context tokens)")
     for col in ("re-rotate", "seam s", "n", "agreement [95% CI]", "top-1", "cosine [95% CI]", "KL", "ms"):

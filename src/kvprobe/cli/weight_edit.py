@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from kvprobe.cli import options as opt
-from kvprobe.cli.common import console, load_with_status, progress_bar, usable_out
+from kvprobe.cli.common import console, load_with_status, progress_bar, progress_of, usable_out
 from kvprobe.errors import UsageError, no_decision_case
 
 KV_DEFAULT = "stale,field_only,erratum,field_erratum,oracle"  # kvprobe.weight_edit.DEFAULT_KV_STRATEGIES (a test)
@@ -50,12 +50,11 @@ def weight_edit(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset =
     """
     from pydantic import ValidationError
 
-    from kvprobe.config import RunConfig, load_cases, precheck_cases
-    from kvprobe.datasets import require_answers
-    from kvprobe.editor.runner import align_all
+    from kvprobe.config import RunConfig, load_cases
+    from kvprobe.experiment import Experiment, Step
     from kvprobe.models.fingerprint import weights_sha256
-    from kvprobe.results import WEIGHT_EDIT_CLAIM, WEIGHT_EDITS, ResultsFolder, check_case_ids
-    from kvprobe.weight_edit import LoraSettings, require_peft, run_weight_edits
+    from kvprobe.results import WEIGHT_EDIT_CLAIM, WEIGHT_EDITS
+    from kvprobe.weight_edit import LoraSettings, require_peft, run_weight_edits, target_modules
 
     try:
         cfg = RunConfig(model=model, dataset=dataset, strategies=opt.parse_csv(strategies), n=n, seed=seed, cot=[0],
@@ -71,38 +70,34 @@ def weight_edit(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset =
                       "strategies": cfg.strategies, "form": form, "few_shot": few_shot, "min_flip": min_flip,
                       "lora_rank": lora_rank, "lora_alpha": lora_alpha, "lora_targets": list(settings.targets),
                       "steps": steps, "lr": lr, "early_stop": early_stop, "contamination_cases": contamination_cases}
-    folder = ResultsFolder(out, WEIGHT_EDIT_CLAIM, settings_claim, held="kvprobe weight-edit with other settings",
-                           dtype=dtype)
-    folder.check()  # fail before loading; claimed once every input is valid
-    require_peft()
-    cases = load_cases(cfg)
-    check_case_ids(c.case_id for c in cases)
-    require_answers(cases, "kvprobe weight-edit")
-    lm = load_with_status(model, dtype, device, allow_failed_toy=allow_failed_toy, device_map=device_map)
-    aligned, _ = align_all(lm, cases, cfg.form)
-    precheck_cases(lm, aligned, cfg.edit_strategies(), [0], cfg.form)
-    from kvprobe.weight_edit import target_modules
-
-    target_modules(lm, settings.targets)  # a family whose projections are not linear layers: refused here
-    folder.claim(lm, cases)
-    store = folder.parts("weight_edits")
+    exp = Experiment("weight-edit", out, WEIGHT_EDIT_CLAIM, settings_claim,
+                     held="kvprobe weight-edit with other settings", dtype=dtype)
+    strategies_ = cfg.edit_strategies()
+    # a family whose projections are not linear layers: refused before the claim
+    opened = exp.open(lambda: load_with_status(model, dtype, device, allow_failed_toy=allow_failed_toy,
+                                               device_map=device_map),
+                      before=[require_peft], cases=lambda: load_cases(cfg), align=(cfg.form, strategies_, [0]),
+                      checks=[lambda lm: target_modules(lm, settings.targets)])
+    lm, cases = opened.lm, opened.cases
     base_hash = lm.fingerprint()["weights_hash"]
+
+    def weight_edits(store, tick):
+        return run_weight_edits(lm, cases, strategies_, settings, contamination_cases, form, min_flip, seed,
+                                model_name=model, store=store, on_case=tick)
+
     with progress_bar() as bar:
-        task = bar.add_task(f"weight-editing {len(aligned)} cases (KV repairs and a LoRA edit each)",
-                            total=len(aligned))
-        df, skipped = run_weight_edits(lm, cases, cfg.edit_strategies(), settings, contamination_cases, form,
-                                       min_flip, seed, model_name=model, store=store,
-                                       on_case=lambda: bar.advance(task))
+        df, skipped = exp.step(Step("weight_edits", f"weight-editing {len(opened.aligned)} cases (KV repairs and a "
+                                    f"LoRA edit each)", weight_edits, total=len(opened.aligned), collect=False),
+                               progress=progress_of(bar))
     restored = weights_sha256(lm.model)[:16] == base_hash
     if not restored:  # a bug: lora_adapter unloads in finally and checks no LoRA module is left
         raise RuntimeError(f"{model}'s weights differ from the loaded ones after the LoRA edits were unloaded")
-    path = store.collect()
-    folder.write("weight_edit_manifest.json", folder.manifest(
-        lm, **folder.settings, weights_restored=restored, loss="cross-entropy of the oracle's answer token",
-        skipped=[{"case_id": s.case_id, "reason": s.reason} for s in skipped]))
+    path = exp.table("weight_edits")
     from kvprobe.reports.summary import write_summary
 
-    summary = write_summary(out)
+    summary = exp.finish("weight_edit_manifest.json", summarize=write_summary, **exp.folder.settings,
+                         weights_restored=restored, loss="cross-entropy of the oracle's answer token",
+                         skipped=[{"case_id": s.case_id, "reason": s.reason} for s in skipped])
     n_valid = print_summary(df, model)
     console.print(f"wrote {path} ({WEIGHT_EDITS}) and {summary}")
     if n_valid == 0:

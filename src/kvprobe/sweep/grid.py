@@ -36,9 +36,10 @@ from kvprobe.defaults import (
 from kvprobe.editor.auto import check_policies
 from kvprobe.editor.strategies import Strategy, parse_strategy
 from kvprobe.errors import CheckFailed
-from kvprobe.executor import Context, Serial
+from kvprobe.executor import Context
+from kvprobe.experiment import Experiment
 from kvprobe.config import precheck_cases
-from kvprobe.results import (SWEEP, SWEEP_CLAIM, SWEEP_MANIFEST, SWEEP_SUMMARY, ResultsFolder, atomic_write_parquet,
+from kvprobe.results import (SWEEP, SWEEP_CLAIM, SWEEP_MANIFEST, SWEEP_SUMMARY, atomic_write_parquet,
                              version_entry)
 from kvprobe.sweep.measure import measure_case
 from kvprobe.sweep.summary import (
@@ -143,25 +144,17 @@ def cell_cases(cfg: SweepConfig, cell: dict) -> list:
     return [c.model_copy(update={"case_id": f"{cell['cell']}.{c.case_id}"}) for c in cases]
 
 
-def sweep_folder(cfg: SweepConfig, out: Path | str) -> ResultsFolder:
-    """``kvprobe sweep``'s results folder for ``cfg``, claimed by sweep_config.json."""
-    return ResultsFolder(out, SWEEP_CLAIM, cfg.settings(), held="sweep with other settings")
+def sweep_experiment(cfg: SweepConfig, out: Path | str) -> Experiment:
+    """``kvprobe sweep`` as an :class:`~kvprobe.experiment.Experiment`, claimed by sweep_config.json."""
+    return Experiment("sweep", out, SWEEP_CLAIM, cfg.settings(), held="sweep with other settings")
 
 
-def run_sweep(cfg: SweepConfig, lm, out: Path | str, progress: Callable[[str, int], Callable[[], None]] | None = None,
-              executor=None) -> dict:
-    """Every cell of ``cfg`` into ``out``; a case measured by an earlier, interrupted invocation is read
-    from its part, not redone. ``executor`` (:mod:`kvprobe.executor`; serial by default) measures
-    the cases; a cell that stops at ``cfg.valid`` stops at the same case either way (results are
-    read in the cell's order). Returns the manifest."""
-    executor = executor or Serial()
-    ctx = Context(lm)
-    out = Path(out)
-    progress = progress or (lambda name, total: (lambda: None))
-    strategies = cfg.edit_strategies()
-    cells = cfg.cells()
-    prepared = []
-    for cell in cells:  # every input checked before the folder is claimed or any forward pass runs
+def prepare_cells(cfg: SweepConfig, lm) -> list[tuple[dict, list, list]]:
+    """Every cell's cases aligned and pre-checked (``(cell, aligned, skipped)`` per cell), before the folder is
+    claimed or any forward pass runs; a sweep where no case aligns, or an ``auto:PATH`` of another model, is
+    refused here."""
+    strategies, prepared = cfg.edit_strategies(), []
+    for cell in cfg.cells():
         aligned, skipped = [], []
         for case in cell_cases(cfg, cell):
             a = align(case, lm.tokenizer, cfg.form)
@@ -173,8 +166,32 @@ def run_sweep(cfg: SweepConfig, lm, out: Path | str, progress: Callable[[str, in
         raise CheckFailed(f"no case of the sweep aligns under {cfg.model}'s tokenizer (most often: "
                           f"{reasons.index[0] if len(reasons) else 'no cases'}); try another --form or layout")
     check_policies(strategies, lm)  # an auto:PATH of another model fails here, not once per case
-    folder = sweep_folder(cfg, out)
-    folder.claim(lm, {f"{cell['cell']}/{a.case.case_id}": a.case for cell, aligned, _ in prepared for a in aligned})
+    return prepared
+
+
+def open_sweep(exp: Experiment, cfg: SweepConfig, load, executor=None):
+    """Every check of ``kvprobe sweep`` and its claim (:meth:`Experiment.open`): each cell's cases, keyed
+    ``cell/case_id``."""
+    return exp.open(load, executor=executor, prepare=lambda lm, _: prepare_cells(cfg, lm),
+                    items=lambda o: {f"{cell['cell']}/{a.case.case_id}": a.case
+                                     for cell, aligned, _ in o.prepared for a in aligned})
+
+
+def run_sweep(cfg: SweepConfig, lm=None, out: Path | str | None = None,
+              progress: Callable[[str, int], Callable[[], None]] | None = None, executor=None,
+              exp: Experiment | None = None) -> dict:
+    """Every cell of ``cfg`` into ``out``; a case measured by an earlier, interrupted invocation is read
+    from its part, not redone. ``executor`` (:mod:`kvprobe.executor`; serial by default) measures
+    the cases; a cell that stops at ``cfg.valid`` stops at the same case either way (results are
+    read in the cell's order). ``exp``, when it comes opened (:func:`open_sweep`), gives the model, the
+    executor and the prepared cells. Returns the manifest."""
+    if exp is None or exp.opened is None:
+        exp = exp or sweep_experiment(cfg, out)
+        open_sweep(exp, cfg, lambda: lm, (lambda: executor) if executor is not None else None)
+    lm, executor, prepared = exp.opened.lm, exp.opened.executor, exp.opened.prepared
+    ctx, out, folder = Context(lm), exp.out, exp.folder
+    progress = progress or (lambda name, total: (lambda: None))
+    strategies = cfg.edit_strategies()
     frames, record = [], {}
     t_start = time.perf_counter()
     min_flip, derive = cfg.min_flip, not cfg.time_all
