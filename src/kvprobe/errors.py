@@ -72,6 +72,12 @@ def no_decision_case(model: str, then: str, of: str = "") -> CheckFailed:
                        f"{then}")
 
 
+def no_case_to_judge(model: str, table, of: str = "") -> CheckFailed:
+    """:func:`no_decision_case` for a command that edits (``kvprobe edit``, ``weight-edit``): its ``table`` keeps
+    the raw rows."""
+    return no_decision_case(model, f", so no edit can be judged; the table in {table} holds the raw rows", of)
+
+
 class EnvironmentProblem(KvprobeError):
     """Something outside the inputs is missing or broken: no network, no vLLM, a dead server (exit status 4)."""
 

@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
 from kvprobe.results import CaseStore, ResultsFolder, check_case_ids
 
 
@@ -99,14 +97,14 @@ class Experiment:
         """What the claim would refuse, without writing anything; True when resuming."""
         return self.folder.check()
 
-    def open(self, load: Callable[[], Any], *, cases: Callable[[], list] | None = None, answers: bool = True,
+    def open(self, load: Callable[[], Any], *, cases: Callable[[], list] | None = None,
              before: Iterable[Callable[[], None]] = (), executor: Callable[[], Any] | None = None,
              align: tuple[str, list, list] | None = None, prepare: Callable[[Any, list], Any] | None = None,
              checks: Iterable[Callable[[Any], None]] = (), items: Callable[[Opened], Any] | None = None) -> Opened:
         """Every check, then the claim, in the one order of the module's docstring.
 
-        ``load()`` gives the model; ``cases()`` the dataset's cases (their ids checked, and with ``answers``
-        their expected answers, which validity needs); ``before`` are checks that need no model (run after the
+        ``load()`` gives the model; ``cases()`` the dataset's cases (their ids checked, and their expected
+        answers, which validity needs); ``before`` are checks that need no model (run after the
         folder's); ``executor()`` makes the executor (closed again if a later check refuses); ``align`` =
         ``(form, strategies, cot)`` aligns every case and pre-checks it against the model's window and each
         strategy (:func:`kvprobe.config.precheck_cases`); ``prepare(lm, cases)`` is a command's own alignment
@@ -118,7 +116,7 @@ class Experiment:
             check()
         given = cases() if cases is not None else []
         check_case_ids(c.case_id for c in given)
-        if answers and cases is not None:
+        if cases is not None:
             from kvprobe.datasets import require_answers
 
             require_answers(given, self.name)
@@ -160,14 +158,6 @@ class Experiment:
         if step.collect:
             store.collect()
         return result
-
-    def map(self, name: str, items: Iterable, fn: Callable, ctx=None, on_done: Callable[[], None] = lambda: None,
-            times: dict | None = None) -> pd.DataFrame:
-        """A per-item function on the executor over ``parts/<name>`` (finished items read, not redone)."""
-        from kvprobe.executor import Context
-
-        opened = self.opened
-        return opened.executor.map(self.folder.parts(name), items, fn, ctx or Context(opened.lm), on_done, times)
 
     def table(self, name: str) -> Path:
         """``<name>.parquet`` from the parts of step ``name``."""

@@ -140,8 +140,9 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None, cases: list | N
         exp = exp or run_experiment(cfg, out)
         load = (lambda: lm) if lm is not None else (lambda: watch.run("load", lambda: load_model(
             cfg.model, dtype=cfg.dtype, device=cfg.device, device_map=cfg.device_map)))
-        open_run(exp, cfg, load, cases=(lambda: cases) if cases is not None else None,
-                 executor=(lambda: executor) if executor is not None else None)
+        open_run(exp, cfg, load, cases=(lambda: cases) if cases is not None else None)
+        if executor is not None:  # the caller's: left open on a refusal, as the caller closes it
+            exp.opened.executor = executor
     out, folder = exp.out, exp.folder
     lm, sel, executor = exp.opened.lm, exp.opened.prepared, exp.opened.executor
     # each case's two caches (and residual streams, for a probe stage that reads them): prefilled

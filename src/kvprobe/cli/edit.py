@@ -11,7 +11,7 @@ from rich.table import Table
 from kvprobe.cli import options as opt
 from kvprobe.cli.common import (console, emit_json, executor_for, load_with_status, progress_bar, progress_of,
                                 usable_out)
-from kvprobe.errors import UsageError, no_decision_case
+from kvprobe.errors import UsageError, no_case_to_judge
 
 
 def edit(ctx: typer.Context, model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset = "default",
@@ -66,7 +66,7 @@ def edit(ctx: typer.Context, model: opt.Model = opt.DEFAULTS["model"], dataset: 
     n_valid = print_summary(df, all_cases, model, min_flip)
     console.print(f"wrote {path} ({EDITS})")
     if n_valid == 0:
-        raise no_decision_case(model, f", so no edit can be judged; the table in {path} holds the raw rows", dataset)
+        raise no_case_to_judge(model, path, dataset)
 
 
 def plain(doc: str) -> str:

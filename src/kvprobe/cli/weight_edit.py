@@ -12,7 +12,7 @@ from rich.table import Table
 
 from kvprobe.cli import options as opt
 from kvprobe.cli.common import console, load_with_status, progress_bar, progress_of, usable_out
-from kvprobe.errors import UsageError, no_decision_case
+from kvprobe.errors import UsageError, no_case_to_judge
 
 KV_DEFAULT = "stale,field_only,erratum,field_erratum,oracle"  # kvprobe.weight_edit.DEFAULT_KV_STRATEGIES (a test)
 
@@ -101,7 +101,7 @@ def weight_edit(model: opt.Model = opt.DEFAULTS["model"], dataset: opt.Dataset =
     n_valid = print_summary(df, model)
     console.print(f"wrote {path} ({WEIGHT_EDITS}) and {summary}")
     if n_valid == 0:
-        raise no_decision_case(model, f", so no edit can be judged; the table in {path} holds the raw rows", dataset)
+        raise no_case_to_judge(model, path, dataset)
 
 
 def print_summary(df, title: str) -> int:

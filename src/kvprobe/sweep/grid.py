@@ -187,7 +187,9 @@ def run_sweep(cfg: SweepConfig, lm=None, out: Path | str | None = None,
     executor and the prepared cells. Returns the manifest."""
     if exp is None or exp.opened is None:
         exp = exp or sweep_experiment(cfg, out)
-        open_sweep(exp, cfg, lambda: lm, (lambda: executor) if executor is not None else None)
+        open_sweep(exp, cfg, lambda: lm)
+        if executor is not None:  # the caller's: left open on a refusal, as the caller closes it
+            exp.opened.executor = executor
     lm, executor, prepared = exp.opened.lm, exp.opened.executor, exp.opened.prepared
     ctx, out, folder = Context(lm), exp.out, exp.folder
     progress = progress or (lambda name, total: (lambda: None))
