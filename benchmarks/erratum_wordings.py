@@ -48,8 +48,8 @@ def main() -> None:
                 rows = [f[f.strategy == w].iloc[0] for f in frames]
                 same = [r for r in rows if not r.changed]
                 moved = [r for r in rows if r.changed]
-                flips = sum(r.pred != r.pred_oracle for r in same)
-                agree = sum(r.pred == r.pred_oracle for r in moved)
+                flips = sum(r.pred != r.reference for r in same)
+                agree = sum(r.pred == r.reference for r in moved)
                 print(f"| {model} | {name} | {changed}/{len(frames)} | {w} | {share(flips, len(same))} | "
                       f"{share(agree, len(moved))} |", flush=True)
         print(f"<!-- {model}: {time.perf_counter() - start:.0f} s -->", flush=True)

@@ -3,13 +3,16 @@ the proof that a behaviour-preserving refactor of the harness keeps each command
 
     python scripts/command_tables.py run DIR            # each command of COMMANDS into DIR/<name>
     python scripts/command_tables.py compare OLD NEW    # exits 1 if any command's tables or files differ
+    python scripts/command_tables.py compare OLD NEW --renamed   # OLD made before the schema-2 renames
 
 ``run`` calls the ``kvprobe`` of this interpreter (``PYTHONPATH=/tmp/old/src`` runs an older checkout's);
 a command that exits non-zero is recorded (its exit code is compared too: ``weight-edit`` on a toy may
 find no valid case). ``compare`` runs ``scripts/compare_runs.py`` on each pair of folders (every parquet
 table, timing columns aside) and compares every JSON and YAML file parsed, with clock readings (keys
 ending in ``_s``, ``seconds``, a manifest's prefill-equivalents, durations in a sentence), package versions
-and the folders' own paths masked.
+and the folders' own paths masked. Tables are read under today's column names (compare_runs does:
+:func:`kvprobe.tables.today_names`); ``--renamed`` renames the before side's JSON keys the same way
+(:data:`RENAMED_KEYS`) and carries its summary's version.
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ COMMANDS = {
 }
 # clock readings and what is computed from them: a manifest's prefill-equivalents are time ratios
 MASKED = {"versions", "seconds", "created", "kvprobe_version", "time", "timestamp", "prefill_equivalents"}
+# ``compare --renamed``: what a rename of keys (tables schema 2, summary schema 6: a TOST's margin is
+# equivalence_margin) changes in the files of a run made before it, applied to the before side
+RENAMED_KEYS = {"memory_manifest.json": {"margin": "equivalence_margin"},
+                "summary.json": {"margin": "equivalence_margin"}}
+RENAMED_VERSIONS = {"kvprobe_summary": (5, 6)}
 CLOCK = re.compile(r"\b\d+(\.\d+)? (ms|s)\b")  # "in 102 ms" in a headline sentence
 
 
@@ -65,7 +73,17 @@ def masked(value, root: str):
     return value
 
 
-def files_equal(old: Path, new: Path) -> list[str]:
+def renamed(value, keys: dict):
+    """``value`` with its keys renamed (``keys``) and its versions carried (:data:`RENAMED_VERSIONS`)."""
+    if isinstance(value, dict):
+        return {keys.get(k, k): (RENAMED_VERSIONS[k][1] if k in RENAMED_VERSIONS and v == RENAMED_VERSIONS[k][0]
+                                 else renamed(v, keys)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [renamed(v, keys) for v in value]
+    return value
+
+
+def files_equal(old: Path, new: Path, rename: bool = False) -> list[str]:
     said = []
     names, names_new = ({p.relative_to(d) for p in d.rglob("*")
                          if p.suffix in (".json", ".yaml") and "parts" not in p.parts} for d in (old, new))
@@ -74,13 +92,27 @@ def files_equal(old: Path, new: Path) -> list[str]:
     for rel in sorted(names & names_new):
         load = json.loads if rel.suffix == ".json" else yaml.safe_load
         a = masked(load((old / rel).read_text()), str(old))
+        if rename:
+            a = renamed(a, RENAMED_KEYS.get(rel.name, {}))
         b = masked(load((new / rel).read_text()), str(new))
         if a != b:
-            said.append(f"{rel}: differs")
+            said.append(f"{rel}: differs at {', '.join(differences(a, b)[:6])}")
     return said
 
 
-def compare(old: Path, new: Path) -> int:
+def differences(a, b, path: str = "") -> list[str]:
+    """Where two parsed files differ: each key path, with both values where they are short."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b), key=str) for d in differences(a.get(k), b.get(k), f"{path}.{k}")]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{i}]")]
+    if a == b:
+        return []
+    shown = f" ({a!r} -> {b!r})" if len(repr(a)) + len(repr(b)) < 80 else ""
+    return [f"{path or '.'}{shown}"]
+
+
+def compare(old: Path, new: Path, rename: bool = False) -> int:
     bad = 0
     codes_old = json.loads((old / "exit_codes.json").read_text())
     codes_new = json.loads((new / "exit_codes.json").read_text())
@@ -93,7 +125,7 @@ def compare(old: Path, new: Path) -> int:
         proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_runs.py"), str(old / name),
                                str(new / name)], capture_output=True, text=True)
         tables = [line for line in proc.stdout.splitlines() if line.strip()]
-        files = files_equal(old / name, new / name)
+        files = files_equal(old / name, new / name, rename)
         print(f"{name}: {len(tables)} table(s) {'identical' if proc.returncode == 0 else 'DIFFER'}; "
               f"JSON/YAML files {'equal' if not files else 'DIFFER'}")
         for line in (tables if proc.returncode else []) + files:
@@ -111,10 +143,11 @@ def main() -> int:
     c = sub.add_parser("compare")
     c.add_argument("old", type=Path)
     c.add_argument("new", type=Path)
+    c.add_argument("--renamed", action="store_true", help="the before side's keys renamed as RENAMED_KEYS says")
     args = ap.parse_args()
     if args.what == "run":
         return run(args.dest, [s for s in args.only.split(",") if s])
-    return compare(args.old, args.new)
+    return compare(args.old, args.new, args.renamed)
 
 
 if __name__ == "__main__":

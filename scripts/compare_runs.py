@@ -131,7 +131,10 @@ def values_only(df: pd.DataFrame) -> pd.DataFrame:
 
 def compare(before: Path, after: Path, ignore: set[str], atol: float = 0.0) -> list[str]:
     """One line per table; a line starting with 'DIFF' marks a difference (beyond ``atol`` in a
-    numeric column; any difference elsewhere)."""
+    numeric column; any difference elsewhere). Each table is read under today's column names
+    (:func:`kvprobe.tables.today_names`: a table written under an older schema has its renamed columns mapped)."""
+    from kvprobe.tables import today_names
+
     lines = []
     names = sorted({p.name for p in before.glob("*.parquet")} | {p.name for p in after.glob("*.parquet")})
     for name in names:
@@ -139,7 +142,7 @@ def compare(before: Path, after: Path, ignore: set[str], atol: float = 0.0) -> l
         if not a.exists() or not b.exists():
             lines.append(f"DIFF {name}: only in {'after' if b.exists() else 'before'}")
             continue
-        x, y = values_only(pd.read_parquet(a)), values_only(pd.read_parquet(b))
+        x, y = values_only(today_names(pd.read_parquet(a), a)), values_only(today_names(pd.read_parquet(b), b))
         drop = sorted(c for c in set(x.columns) | set(y.columns) if c in ignore)
         x, y = x.drop(columns=[c for c in drop if c in x]), y.drop(columns=[c for c in drop if c in y])
         if list(x.columns) != list(y.columns):

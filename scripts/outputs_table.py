@@ -31,6 +31,13 @@ in another unit than seconds).
   field_policy.yaml. A parquet table flattens it into columns `x`, `x_lo`, `x_hi`, `n_x`.
 - **Shares** are in [0, 1]; **logits** are raw logit differences (`m`: score(new answer) minus
   score(old answer) at the decision token); **tokens** count tokenizer tokens.
+- **One vocabulary for a decision** (tables schema 2): `reference` is the decision of what a row is
+  judged against (the oracle's re-prefill; a full recompute for a composed cache or a transplant);
+  `margin` is a decision's lead (its option's score minus the runner-up's, never negative);
+  `option_diff` is the first option's score minus the second's (signed); a TOST's margin is
+  `equivalence_margin`. Schema 1 named them `pred_oracle` / `oracle_answer`, `margin` for the signed
+  difference too, `oracle_margin`, and the TOST's `margin`: a table written before is read under
+  today's names (`kvprobe.tables.RENAMED`).
 - **Whole numbers** (layers, heads, positions, counts) are nullable integers (`Int64`): a missing
   one is `<NA>`, never a float NaN. A column of missing values only keeps its declared type.
 - **Row kinds**: `edits.parquet` has `kind` (`decision`, `control`, `k_sweep`): group within one.

@@ -277,7 +277,7 @@ def first_message(exc: Exception) -> str:
     return str(exc).splitlines()[0]
 
 
-DIAGNOSE_COLUMNS = ["new_value", "strategy", "chose", "pred", "pred_oracle", "agree", "margin", "tokens_recomputed",
+DIAGNOSE_COLUMNS = ["new_value", "strategy", "chose", "pred", "reference", "agree", "margin", "tokens_recomputed",
                     "frac_recomputed", "wall_s", "decide_s", "to_decision_s", "note", "error"]
 
 
@@ -336,9 +336,9 @@ def recommendation(rows: pd.DataFrame) -> list[str]:
         auto = g[g.strategy.str.startswith("auto")]
         head = f"{value}: "
         stale = g[g.strategy.eq("stale")]
-        if len(stale) and stale.iloc[0].pred == stale.iloc[0].pred_oracle:
+        if len(stale) and stale.iloc[0].pred == stale.iloc[0].reference:
             lines.append(head + f"no repair is needed for the decision: the stale cache already gives the oracle's "
-                                f"{stale.iloc[0].pred_oracle!r} (this edit does not change it); field_only keeps "
+                                f"{stale.iloc[0].reference!r} (this edit does not change it); field_only keeps "
                                 f"the cached text current at the least cost, so no strategy is ranked")
             continue
         if len(auto) and isinstance(auto.iloc[0].chose, str):

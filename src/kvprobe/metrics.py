@@ -167,11 +167,11 @@ def tost_paired(a, b, margin: float = 0.05, alpha: float = 0.05) -> dict:
     (1 - 2 alpha) interval of the difference lies inside (-margin, margin); the interval is
     :func:`paired_difference_ci` (Tango's score interval for paired proportions), so the default is
     a 90% interval for a 5% test. Returns :func:`paired_difference_ci`'s keys plus
-    ``margin``, ``alpha``, ``confidence`` and ``equivalent`` (False without pairs)."""
+    ``equivalence_margin``, ``alpha``, ``confidence`` and ``equivalent`` (False without pairs)."""
     if not 0 < margin < 1:
         raise ValueError(f"margin must be in (0, 1), got {margin}")
     if not 0 < alpha < 0.5:
         raise ValueError(f"alpha must be in (0, 0.5), got {alpha}")
     out = paired_difference_ci(a, b, 1 - 2 * alpha)
     equivalent = bool(out["n"]) and -margin < out["lo"] and out["hi"] < margin
-    return {**out, "margin": margin, "alpha": alpha, "confidence": 1 - 2 * alpha, "equivalent": equivalent}
+    return {**out, "equivalence_margin": margin, "alpha": alpha, "confidence": 1 - 2 * alpha, "equivalent": equivalent}

@@ -35,7 +35,19 @@ CALIBRATION_SUMMARY = "calibration_summary.parquet"  # one row per (field, strat
 WEIGHT_EDITS = "weight_edits.parquet"  # kvprobe weight-edit: one row per case x arm (KV repairs and a LoRA edit)
 MEMORY = "memory.parquet"  # kvprobe memory: one row per question x arm (kvprobe.memory.COLUMNS)
 MEMORY_CALIBRATION = "memory_calibration.parquet"  # kvprobe memory --policy-users: per element x question x strategy
-TABLES_SCHEMA = 1  # the version of TABLE_SCHEMAS' columns, in every results table's parquet metadata
+TABLES_SCHEMA = 2  # the version of TABLE_SCHEMAS' columns, in every results table's parquet metadata
+AGENT = "agent.parquet"  # kvprobe serve-bench --workload agent: one row per turn x arm (kvprobe.serving.agent)
+
+# One vocabulary across the tables (version 2): ``reference`` is the decision of what a row is judged
+# against (the oracle's re-prefill; a full recompute for a composed cache), ``margin`` is a decision's lead
+# (its option's score minus the runner-up's, >= 0), ``option_diff`` the first option's score minus the
+# second's (signed), and ``equivalence_margin`` a TOST's margin. Version 1 named them otherwise; a table
+# written before (its metadata's schema below 2, or none) is read under today's names.
+RENAMED: dict[str, dict[str, str]] = {
+    EDITS: {"pred_oracle": "reference"}, CALIBRATION: {"pred_oracle": "reference"},
+    WEIGHT_EDITS: {"pred_oracle": "reference"}, SERVING: {"oracle_answer": "reference"},
+    COMPOSE: {"oracle_answer": "reference", "margin": "option_diff", "oracle_margin": "reference_option_diff"},
+    MEMORY: {"margin": "option_diff"}, MEMORY_CALIBRATION: {"margin": "option_diff"}, AGENT: {"margin": "option_diff"}}
 
 
 # -- the columns a results table must hold: what its readers (report, compare, export-topk) use ----
@@ -124,7 +136,7 @@ TABLE_SCHEMAS: dict[str, TableSchema] = {
                            number="m_old m_new logit_shift", whole="n_tokens",
                            flag="control correct_old correct_new flipped valid"),
     EDITS: table_schema("an edits table",
-                        text="model case_id strategy ranking pred pred_oracle generated error note chose domain field "
+                        text="model case_id strategy ranking pred reference generated error note chose domain field "
                              "template_id kind",
                         number="m m_stale m_oracle oracle_flip recovery cosine kl tokens_recomputed frac_recomputed "
                                "wall_s decide_s", whole="k tokens_total cot n_tokens",
@@ -142,12 +154,12 @@ TABLE_SCHEMAS: dict[str, TableSchema] = {
     LINEAR: table_schema("a linear-probe table", text="model case_id probe region metric stream label note",
                          number="value", whole="layer head position n n_templates n_layers"),
     TOKENS: table_schema("a tokens table", text="case_id token token_new kind region", whole="position"),
-    COMPOSE: table_schema("a compose table", text="model query_id domain kind answer expected oracle_answer",
-                          number="cosine kl margin oracle_margin oracle_wall_s wall_s",
+    COMPOSE: table_schema("a compose table", text="model query_id domain kind answer expected reference",
+                          number="cosine kl option_diff reference_option_diff oracle_wall_s wall_s",
                           whole="n_blocks block_tokens context_tokens seam", flag="rerotate agree top1_agree"),
     TTFT: table_schema("a TTFT table", text="model", number="full_s compose_s speedup", whole="block_tokens seam"),
     SERVING: table_schema("a serve-bench table",
-                          text="model served_model arm value answer text oracle_answer rule_answer error",
+                          text="model served_model arm value answer text reference rule_answer error",
                           number="rate hit_rate ttft_s latency_s send_s finish_s agree run_wall_s",
                           whole="request prompt_tokens cached_tokens ceiling_tokens run_sent run_queries run_hits "
                                 "block_size base_prompt_tokens", flag="cached_reported ok"),
@@ -156,7 +168,7 @@ TABLE_SCHEMAS: dict[str, TableSchema] = {
                         number="agree m m_stale m_oracle oracle_flip recovery frac_recomputed wall_s decide_s case_s",
                         whole="filler_tokens downstream_tokens field_tokens n_tokens", flag="control valid"),
     CALIBRATION: table_schema("a calibration table",
-                              text="field old_value new_value others strategy ranking pred pred_oracle generated "
+                              text="field old_value new_value others strategy ranking pred reference generated "
                                    "error note chose skip",
                               number="m m_stale m_oracle oracle_flip recovery cosine kl tokens_recomputed "
                                      "frac_recomputed wall_s decide_s margin to_decision_s",
@@ -168,7 +180,7 @@ TABLE_SCHEMAS: dict[str, TableSchema] = {
                                       whole="pairs n skipped n_changed n_unchanged spurious_flips errors",
                                       flag="chosen"),
     WEIGHT_EDITS: table_schema("a `kvprobe weight-edit` table",
-                               text="model case_id strategy ranking pred pred_oracle generated error note chose domain "
+                               text="model case_id strategy ranking pred reference generated error note chose domain "
                                     "field template_id kind method contamination_basis",
                                number="m m_stale m_oracle oracle_flip recovery cosine kl tokens_recomputed "
                                       "frac_recomputed wall_s decide_s setup_s final_loss contamination",
@@ -177,12 +189,12 @@ TABLE_SCHEMAS: dict[str, TableSchema] = {
     MEMORY: table_schema("a `kvprobe memory` table",
                          text="model question_id user_id kind fact group arm repair layout answer expected reference "
                               "error",
-                         number="margin correct agree changed tokens_recomputed frac_recomputed wall_s decide_s "
+                         number="option_diff correct agree changed tokens_recomputed frac_recomputed wall_s decide_s "
                                 "setup_s",
                          whole="context_tokens"),
     MEMORY_CALIBRATION: table_schema("a `kvprobe memory` policy calibration table",
                                      text="element user_id fact question_id kind strategy answer reference",
-                                     number="margin wall_s decide_s", whole="tokens_recomputed",
+                                     number="option_diff wall_s decide_s", whole="tokens_recomputed",
                                      flag="agree changed"),
     SWEEP_SUMMARY: table_schema("a `kvprobe sweep` summary", text="cell layout field_style rule_style measure name",
                                 number="downstream_tokens n_tokens agree agree_lo agree_hi recovery recovery_lo "
@@ -196,7 +208,8 @@ TABLE_SCHEMAS: dict[str, TableSchema] = {
 # the rule does not cover are named in UNITS. docs/outputs.md is written from these
 # (scripts/outputs_table.py); tests/unit/test_outputs.py checks each command's files against them.
 UNITS = {"m": "logits", "m_stale": "logits", "m_oracle": "logits", "m_old": "logits", "m_new": "logits",
-         "oracle_flip": "logits", "logit_shift": "logits", "margin": "logits", "oracle_margin": "logits",
+         "oracle_flip": "logits", "logit_shift": "logits", "margin": "logits", "option_diff": "logits",
+         "reference_option_diff": "logits", "equivalence_margin": "share (0 to 1): accuracies' difference",
          "value": "per metric (the metric column says)", "kl": "nats", "cosine": "cosine (-1 to 1)",
          "speedup": "ratio", "rate": "requests per second (inf: all at once)", "layer": "index (0-based)",
          "head": "index (0-based)", "position": "token index (0-based)", "request": "index (0-based)",
@@ -241,9 +254,37 @@ def read_table(path: Path, required: tuple[str, ...] = ()) -> pd.DataFrame:
             first = "no parquet magic bytes: corrupted, or not a parquet file"
         raise KvprobeError(f"{path} is not a readable parquet table ({first}); rerun the command that wrote it, "
                            f"or move the file away") from None
+    df = today_names(df, path)
     if len(df):  # a table of no rows (no case finished) has nothing to check
         TABLE_SCHEMAS.get(Path(path).name, TableSchema("a results table", {})).check(path, df, required)
     return df
+
+
+# Part folders (``parts/<name>/...``) whose name is not their table's
+PART_TABLES = {"pairs": CALIBRATION, "cells": SWEEP}
+
+
+def table_of(path: Path | str) -> str:
+    """The table file a results file belongs to: its own name, or for a part
+    (``<folder>/parts/<name>/.../<key>.parquet``) its table's (``<name>.parquet``, or :data:`PART_TABLES`)."""
+    path = Path(path)
+    if "parts" in path.parts[:-1]:
+        i = len(path.parts) - 1 - path.parts[::-1].index("parts")
+        if i + 2 < len(path.parts):
+            name = path.parts[i + 1]
+            return PART_TABLES.get(name, f"{name}.parquet")
+    return path.name
+
+
+def today_names(df: pd.DataFrame, path: Path | str) -> pd.DataFrame:
+    """``df``, read from ``path``, under today's column names (:data:`RENAMED`): a table written under an
+    older schema (its metadata's ``schema`` below :data:`TABLES_SCHEMA`, or no metadata) has its columns
+    renamed; today's tables are returned as they are. A part (``parts/<table>/...``) is named by its folder."""
+    renamed = RENAMED.get(table_of(path), {})
+    old = {a: b for a, b in renamed.items() if a in df.columns and b not in df.columns}
+    if not old or table_metadata(path).get("schema", 1) >= 2:
+        return df
+    return df.rename(columns=old)
 
 
 def table_metadata(path: Path | str) -> dict:

@@ -134,9 +134,9 @@ def test_a_pair_is_scored_against_the_oracle(toy):
     df = measure_pair(toy, spec, "subscription_tier", base, "free", ["field_only", "erratum_turn"])
     assert list(df.strategy) == ["stale", "oracle", "field_only", "erratum_turn"]
     oracle, stale = (df[df.strategy == s].iloc[0] for s in ("oracle", "stale"))
-    assert oracle.agree and oracle.pred == oracle.pred_oracle  # edits.parquet's vocabulary (kvprobe.editor.score)
-    assert set(df.changed) == {oracle.pred_oracle != stale.pred}
-    assert (df.agree == (df.pred == df.pred_oracle)).all()
+    assert oracle.agree and oracle.pred == oracle.reference  # edits.parquet's vocabulary (kvprobe.editor.score)
+    assert set(df.changed) == {oracle.reference != stale.pred}
+    assert (df.agree == (df.pred == df.reference)).all()
     assert (df.to_decision_s == df.wall_s + df.decide_s).all()
 
 
@@ -192,7 +192,7 @@ def test_the_oracle_from_the_shared_prefix_is_the_full_prefills(model):
             assert (got - want).abs().max() < 1e-4 and got.argmax() == want.argmax()
             assert all(torch.equal(k, b) for (k, _), b in zip(kvcache.to_tensors(ec.old_cache), before))
             rows = {o: measure_pair(lm, spec, name, base, new, ["field_only"], oracle=o) for o in ("prefix", "full")}
-            assert list(rows["prefix"].pred_oracle) == list(rows["full"].pred_oracle)
+            assert list(rows["prefix"].reference) == list(rows["full"].reference)
             margins = [r.loc[r.strategy == "oracle", "margin"].iloc[0] for r in rows.values()]
             assert abs(margins[0] - margins[1]) < 1e-4
 
@@ -232,7 +232,7 @@ def test_calibrate_command_writes_a_policy_and_resumes_with_a_larger_budget(tmp_
     assert again.returncode == 1, again.stderr[-2000:]
     assert "the first pair took" not in again.stderr  # a resumed first pair took nothing: no projection from it
     more = pd.read_parquet(out / "calibration.parquet")
-    keep = ["field", "old_value", "new_value", "strategy", "pred", "pred_oracle"]
+    keep = ["field", "old_value", "new_value", "strategy", "pred", "reference"]
     first_pairs = more.merge(rows[keep], on=keep, how="inner")
     assert len(first_pairs) == len(rows)  # the first two pairs of each field were read back, not redrawn
     assert len(more) == len(rows) * 3 // 2

@@ -43,7 +43,7 @@ def test_a_template_jsonl_case_gets_every_strategy_against_the_oracle(tmp_path, 
     out = json.loads(proc.stdout)
     rows = {r["strategy"]: r for r in out["rows"]}
     assert list(rows) == list(DIAGNOSE_STRATEGIES)
-    assert rows["oracle"]["agree"] and rows["oracle"]["pred"] == rows["oracle"]["pred_oracle"] == case.expected_new
+    assert rows["oracle"]["agree"] and rows["oracle"]["pred"] == rows["oracle"]["reference"] == case.expected_new
     assert rows["stale"]["pred"] == case.expected_old and not rows["stale"]["agree"]
     assert rows["auto"]["chose"] in ("field_only", "erratum_turn") and rows["auto"]["note"]
     for r in rows.values():

@@ -278,7 +278,7 @@ def test_run_compose_resumes_from_parts_and_stored_blocks(tmp_path, monkeypatch)
     with monkeypatch.context() as m:  # the blocks come from the store, only the lost query reruns
         m.setattr(gate, "precompile", boom)
         redone = composer.run_compose(lm, parts=parts, **kw)
-    cols = ["query_id", "seam", "rerotate", "agree", "answer", "oracle_answer"]
+    cols = ["query_id", "seam", "rerotate", "agree", "answer", "reference"]
     pd.testing.assert_frame_equal(redone[cols], first[cols])
     assert np.allclose(redone.cosine, first.cosine, atol=1e-6)
 

@@ -34,8 +34,8 @@ def test_measure_strategies_scores_stale_oracle_and_each_strategy_in_the_edit_ta
     by = rows.set_index("strategy")
     assert by.loc["oracle", "agree"] and by.loc["oracle", "recovery"] == pytest.approx(1.0)
     assert by.loc["stale", "recovery"] == pytest.approx(0.0) and by.loc["stale", "frac_recomputed"] == 0
-    assert (rows.pred_oracle == by.loc["oracle", "pred"]).all()
-    assert (rows.agree == (rows.pred == rows.pred_oracle)).all() and (rows.margin >= 0).all()
+    assert (rows.reference == by.loc["oracle", "pred"]).all()
+    assert (rows.agree == (rows.pred == rows.reference)).all() and (rows.margin >= 0).all()
     assert (rows.m_stale == by.loc["stale", "m"]).all() and (rows.m_oracle == by.loc["oracle", "m"]).all()
 
 
@@ -47,7 +47,7 @@ def test_the_same_rows_as_edit_case():
     theirs = edit_case(lm, a, typed).set_index("strategy")
     for col in ("m", "m_stale", "m_oracle", "recovery", "cosine", "kl"):
         assert mine[col].to_numpy() == pytest.approx(theirs.loc[mine.index, col].to_numpy(), abs=1e-4, nan_ok=True)
-    for col in ("pred", "pred_oracle", "agree", "tokens_recomputed", "tokens_total", "k", "ranking", "chose", "note"):
+    for col in ("pred", "reference", "agree", "tokens_recomputed", "tokens_total", "k", "ranking", "chose", "note"):
         pd.testing.assert_series_equal(mine[col], theirs.loc[mine.index, col], check_dtype=False)
     assert bool(theirs.valid.iloc[0]) == valid_case(a.case, mine.loc["stale", "pred"], mine.loc["oracle", "pred"])
 
@@ -56,7 +56,7 @@ def test_a_strategy_that_cannot_repair_the_case_is_an_error_row():
     lm, a = aligned_case()
     a = dataclasses.replace(a, case=a.case.model_copy(update={"rule": ""}))  # a prompt hoist cannot rewrite
     rows = score.measure_strategies(lm, a, [editor.Hoist(), editor.FieldOnly()]).set_index("strategy")
-    assert "hoist" in rows.loc["hoist", "error"] and rows.loc["hoist", "pred_oracle"] == rows.loc["oracle", "pred"]
+    assert "hoist" in rows.loc["hoist", "error"] and rows.loc["hoist", "reference"] == rows.loc["oracle", "pred"]
     assert pd.isna(rows.loc["hoist", "agree"]) and pd.isna(rows.loc["field_only", "error"])
 
 

@@ -86,7 +86,7 @@ def _fake_rows(agree: dict[str, bool]):
     def rows(lm, data, segs, element, late, options):
         calls.append(element)
         out = [{"element": element, "user_id": element.split(":")[0], "fact": element.split(":")[1],
-                "question_id": f"{element}-q", "kind": "edited", "strategy": s, "answer": "yes", "margin": 1.0,
+                "question_id": f"{element}-q", "kind": "edited", "strategy": s, "answer": "yes", "option_diff": 1.0,
                 "reference": "yes", "agree": agree.get(s, True), "changed": True, "tokens_recomputed": 1,
                 "wall_s": 0.0, "decide_s": 0.0} for s in mp.STRATEGIES]
         return pd.DataFrame(out, columns=list(mp.COLUMNS))
@@ -144,7 +144,7 @@ def test_the_policy_arm_is_the_row_of_the_repair_chosen_for_the_edited_fact(chos
     df = question_rows(lm, data, segs, states, data.questions[0].question_id, options, (0,), NAME, policy)
     assert list(df["arm"]) == [a for _, a in arms((0,), policy=True)]
     row = df.set_index("arm")
-    cols = ["answer", "margin", "agree", "changed", "tokens_recomputed", "frac_recomputed", "wall_s", "decide_s"]
+    cols = ["answer", "option_diff", "agree", "changed", "tokens_recomputed", "frac_recomputed", "wall_s", "decide_s"]
     pd.testing.assert_series_equal(row.loc["policy", cols], row.loc[chosen, cols], check_names=False)
     assert row.loc["policy", "repair"] == chosen and row.loc["policy", "group"] == "edit"
     assert row.drop(index="policy")["repair"].isna().all()

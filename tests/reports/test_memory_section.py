@@ -177,7 +177,7 @@ def test_summary_fact_validates_and_its_sentence_is_the_tables_numbers(tmp_path)
     assert by["transplant_seam0"]["wall_s"] == pytest.approx(0.12)
     late = next(t for t in m["equivalence"] if t["arm"] == "late")
     assert late["difference"]["value"] == pytest.approx(tost.loc["late", "diff"], abs=1e-4)
-    assert late["margin"] == 0.1 and late["confidence"] == pytest.approx(0.9)
+    assert late["equivalence_margin"] == 0.1 and late["confidence"] == pytest.approx(0.9)
     assert m["policy"] == {"threshold": 0.9, "fields": {"city": {"repair": "field_only", "verdict": "established",
                                                                  "elements": 9},
                                                         "team": {"repair": "erratum", "verdict": "established",
@@ -196,7 +196,7 @@ def test_a_folder_without_the_repair_column_or_a_manifest_still_reports(tmp_path
         m = data["memory"]
         assert m["policy"] is None and all(a["repairs"] is None for a in m["arms"])
         assert "policy" not in {a["arm"] for a in m["arms"]}
-    margins = {t["margin"] for t in summarize_run(load_run(bare))["memory"]["equivalence"]}
+    margins = {t["equivalence_margin"] for t in summarize_run(load_run(bare))["memory"]["equivalence"]}
     assert margins == {0.05}
     html = render_html([old, bare])
     assert sections(html) == ["memory"] and len(columns(html, "memory")) == 2

@@ -228,7 +228,7 @@ def _serving_rows() -> pd.DataFrame:
                     "request": i, "value": f"v{i}", "prompt_tokens": 1500, "cached_tokens": float(cached),
                     "cached_reported": True, "ceiling_tokens": max(cached, 32), "hit_rate": cached / 1500,
                     "ttft_s": ttft * (1 + i / 10), "latency_s": ttft + 0.1, "send_s": i / 2, "finish_s": i / 2 + 1,
-                    "answer": "yes", "text": " yes", "oracle_answer": "yes" if i % 6 else "no", "rule_answer": "yes",
+                    "answer": "yes", "text": " yes", "reference": "yes" if i % 6 else "no", "rule_answer": "yes",
                     "agree": float(bool(i % 6)), "ok": True, "error": "", "run_sent": 12, "run_wall_s": wall,
                     "run_queries": 18000.0, "run_hits": 12.0 * cached, "block_size": 32,
                     "base_prompt_tokens": 1480})
@@ -250,7 +250,7 @@ def test_serving_section(variant, tmp_path):
     assert "Erratum against the in-prefix edit" in body and "saturation" in body
     assert "96.0%" in body and "2.1%" in body  # erratum and edit hit rates, from the counters
     assert "cannot tell a right answer from a stuck one" not in body
-    _serving_rows().assign(oracle_answer="yes").to_parquet(alone / SERVING, index=False)
+    _serving_rows().assign(reference="yes").to_parquet(alone / SERVING, index=False)
     assert "oracle gave one answer for every value of edit_unique, edit_set, erratum" in render_html([alone])
     # beside a probe run: its own section, before the run facts; absent where there is no serving.parquet
     folder = variant()

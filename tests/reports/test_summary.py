@@ -44,7 +44,7 @@ def test_summary_json_validates_and_headline_leads(tiny_results, tmp_path):
     assert path == folder / SUMMARY
     data = json.loads(path.read_text())
     jsonschema.validate(data, schema())
-    assert data["kvprobe_summary"] == 5 and data["weight_edit"] is None and data["memory"] is None and data["headline"]
+    assert data["kvprobe_summary"] == 6 and data["weight_edit"] is None and data["memory"] is None and data["headline"]
     assert data["validity"]["decision"] == 3
     assert [r["strategy"] for r in data["strategies"]] == ["stale", "field_only", "selective:4:random", "erratum",
                                                            "oracle"]

@@ -173,7 +173,7 @@ def test_block_ceiling():
 
 def _rows(arm, rate, n, prompt, cached, ceiling, ttft, agree, queries, hits, wall):
     return [{"rate": rate, "arm": arm, "ok": True, "prompt_tokens": prompt, "cached_tokens": float(cached),
-             "oracle_answer": "yes" if arm == "edit_unique" else ("yes", "no", "?")[i % 3],
+             "reference": "yes" if arm == "edit_unique" else ("yes", "no", "?")[i % 3],
              "cached_reported": True, "ceiling_tokens": ceiling, "ttft_s": ttft[i % len(ttft)],
              "agree": float(agree[i % len(agree)]), "run_queries": queries, "run_hits": hits, "run_wall_s": wall}
             for i in range(n)]
@@ -191,7 +191,7 @@ def test_summary_and_ratios():
     assert e.ttft_p50 == pytest.approx(0.15) and e.ttft_p90 == pytest.approx(0.2)
     assert e.throughput == pytest.approx(1.0) and x.throughput == pytest.approx(0.5)
     assert e.agreement == pytest.approx(0.8) and x.agreement == 1.0
-    assert e.oracle_answers == 2 and x.oracle_answers == 1  # "?" (no option named) is not an answer
+    assert e.distinct_references == 2 and x.distinct_references == 1  # "?" (no option named) is not an answer
     r = measure.ratios(measure.summarize(df)).iloc[0]
     assert r.ttft_p90_ratio == pytest.approx(10.0) and r.throughput_ratio == pytest.approx(2.0)
     assert math.isnan(measure.percentile([], 90)) and measure.percentile([1, float("nan"), 3], 50) == 2.0

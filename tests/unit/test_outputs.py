@@ -104,3 +104,38 @@ def test_the_check_fails_on_a_file_in_another_unit(tmp_path):
     atomic_write_parquet(df, tmp_path / "attention.parquet")
     with pytest.raises(KvprobeError, match="column layer holds 1.5, where whole numbers belong"):
         read_table(tmp_path / "attention.parquet")
+
+
+def test_a_table_of_schema_1_is_read_under_todays_names(tmp_path):
+    """Tables schema 2 renamed the reference's decision (`pred_oracle`, `oracle_answer` -> `reference`) and
+    the signed option difference (`margin` -> `option_diff` where it was not a decision's lead); a table
+    written before (metadata schema 1, or none) reads under today's names, a part by its table's, and a
+    calibration table keeps its `margin` (a lead, the same quantity)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from kvprobe.results import atomic_write_parquet
+    from kvprobe.tables import CALIBRATION, COMPOSE, EDITS, table_of
+
+    def v1(df, path):  # as kvprobe wrote it under schema 1
+        path.parent.mkdir(parents=True, exist_ok=True)
+        table = pa.Table.from_pandas(df, preserve_index=False)
+        meta = {**table.schema.metadata, b"kvprobe": json.dumps({"table": path.name, "schema": 1}).encode()}
+        pq.write_table(table.replace_schema_metadata(meta), path)
+        return path
+
+    edits = pd.DataFrame({"strategy": ["stale"], "pred": ["yes"], "pred_oracle": ["no"]})
+    assert list(read_table(v1(edits, tmp_path / "old" / EDITS)).columns) == ["strategy", "pred", "reference"]
+    bare = tmp_path / "bare" / EDITS  # written before tables carried metadata
+    bare.parent.mkdir()
+    edits.to_parquet(bare, index=False)
+    assert "reference" in read_table(bare).columns
+    compose = pd.DataFrame({"answer": ["yes"], "oracle_answer": ["yes"], "margin": [-1.5], "oracle_margin": [2.0]})
+    part = v1(compose, tmp_path / "old" / "parts" / "compose" / "q1.parquet")
+    assert table_of(part) == COMPOSE
+    assert list(read_table(part).columns) == ["answer", "reference", "option_diff", "reference_option_diff"]
+    pairs = v1(pd.DataFrame({"pred_oracle": ["no"], "margin": [0.5]}), tmp_path / "old" / "parts" / "pairs" / "tier"
+               / "p1.parquet")
+    assert table_of(pairs) == CALIBRATION and list(read_table(pairs).columns) == ["reference", "margin"]
+    today = atomic_write_parquet(pd.DataFrame({"reference": ["no"], "margin": [0.5]}), tmp_path / "new" / CALIBRATION)
+    assert list(read_table(today).columns) == ["reference", "margin"]

@@ -150,7 +150,7 @@ def measure_pair(lm, spec: CalibrationSpec, name: str, base: dict[str, str], new
     df["to_decision_s"] = df.wall_s + df.decide_s
     df["chose"] = [c if isinstance(c, str) and c else s for c, s in zip(df.chose, df.strategy)]
     df["degenerate"], df["skip"] = False, None
-    df["changed"] = df.pred_oracle != stale
+    df["changed"] = df.reference != stale
     df["agree"] = df.agree.astype("boolean").fillna(False).astype(bool)  # a repair that could not run fails
     return df
 

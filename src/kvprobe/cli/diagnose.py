@@ -165,10 +165,10 @@ def _print(rows, title: str) -> None:
                          else "right")
     for r in rows.itertuples():
         if isinstance(r.error, str):
-            table.add_row(r.new_value, r.strategy, "-", "error", r.pred_oracle, "-", "-", "-", "-", r.error[:60])
+            table.add_row(r.new_value, r.strategy, "-", "error", r.reference, "-", "-", "-", "-", r.error[:60])
             continue
         ms = lambda s: "-" if math.isnan(s) else f"{1000 * s:.0f}"  # noqa: E731
-        table.add_row(r.new_value, r.strategy, r.chose, repr(r.pred), repr(r.pred_oracle),
+        table.add_row(r.new_value, r.strategy, r.chose, repr(r.pred), repr(r.reference),
                       "yes" if r.agree else "NO", f"{r.margin:.2f}",
                       f"{r.frac_recomputed:.1%} ({r.tokens_recomputed:.0f})", ms(r.wall_s), ms(r.to_decision_s))
     console.print(table)

@@ -103,8 +103,8 @@ def memory(model: opt.Model = opt.DEFAULTS["model"], n: MemN = 40, seed: opt.See
 
     summ, tost = summarize_memory(df), equivalence(df, margin, alpha)
     # summary.json's memory fact, and the report's section, read the folder
-    summary = exp.finish(MEMORY_MANIFEST, summarize=write_summary, **exp.folder.settings, margin=margin,
-                         alpha=alpha, n_users=len(data.users),
+    summary = exp.finish(MEMORY_MANIFEST, summarize=write_summary, **exp.folder.settings,
+                         equivalence_margin=margin, alpha=alpha, n_users=len(data.users),
                          tost_test="interval inclusion: the (1 - 2 alpha) Tango score interval for paired proportions",
                          policy=policy.describe() if policy else None,
                          summary=summ.to_dict(orient="records"), equivalence=tost.to_dict(orient="records"))
@@ -176,6 +176,6 @@ def print_summary(summ, tost, title: str) -> None:
         eq.add_column(col, justify="left" if col == "arm - against" else "right")
     for r in tost.itertuples():
         eq.add_row(f"{r.arm} - {r.against}", str(r.n), f"{r.only_a}/{r.only_b}", f"{r.diff:+.3f}",
-                   f"{r.confidence:.0%} [{r.lo:+.3f}, {r.hi:+.3f}]", f"±{r.margin:g}",
+                   f"{r.confidence:.0%} [{r.lo:+.3f}, {r.hi:+.3f}]", f"±{r.equivalence_margin:g}",
                    "yes" if r.equivalent else "no")
     console.print(eq)

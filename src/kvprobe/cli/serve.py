@@ -98,7 +98,7 @@ def print_summary(summary, ratios, title: str) -> None:
     if above:
         console.print(f"[yellow]note:[/yellow] hit rate above the ceiling in {', '.join(above)}: the server held "
                       f"these prompts from before this benchmark")
-    stuck = sorted({r.arm for r in summary.itertuples() if r.arm != "unchanged" and r.oracle_answers == 1})
+    stuck = sorted({r.arm for r in summary.itertuples() if r.arm != "unchanged" and r.distinct_references == 1})
     if stuck:
         console.print(f"[yellow]note:[/yellow] the oracle gave one answer for every value in the runs of "
                       f"{', '.join(stuck)}: there, decision agreement cannot tell a right answer from a stuck one")
@@ -271,9 +271,9 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
             server.stop(own)
     wall = time.perf_counter() - t0
     if workload == "agent":
-        import pandas as pd
+        from kvprobe.results import read_table
 
-        summary = agent.summarize(pd.read_parquet(path))
+        summary = agent.summarize(read_table(path))
         print_agent_summary(summary, f"serve-bench --workload agent {model}: {int(summary.prompt_tokens.mean())} "
                                      f"prompt tokens on average, block size {run.block_size} ({wall:.0f} s)")
         console.print("agreement: with the rerender arm's decision for the same session and turn; ties: requests "

@@ -30,15 +30,16 @@ def option_token_ids(tokenizer, option: str) -> list[int]:
 
 
 def _decide(logits: torch.Tensor, options: dict[str, list[int]]) -> tuple[str, float]:
-    """(arg-max option, margin first - second option) from the best first-token logit of each."""
+    """(arg-max option, option_diff: the first option's score minus the second's) from the best first-token logit
+    of each."""
     names = list(options)
     scores = option_scores(logits, options, names).tolist()
     return names[max(range(len(names)), key=scores.__getitem__)], scores[0] - scores[1]
 
 
 COLUMNS = ("model", "query_id", "domain", "kind", "n_blocks", "block_tokens", "context_tokens", "seam",
-           "rerotate", "agree", "top1_agree", "cosine", "kl", "answer", "oracle_answer", "expected", "margin",
-           "oracle_margin", "wall_s", "oracle_wall_s")
+           "rerotate", "agree", "top1_agree", "cosine", "kl", "answer", "reference", "expected", "option_diff",
+           "reference_option_diff", "wall_s", "oracle_wall_s")
 
 
 def run_compose(lm, n: int = 50, seed: int = 0, seams: Sequence[int] = SEAMS,
@@ -113,7 +114,7 @@ def run_compose(lm, n: int = 50, seed: int = 0, seams: Sequence[int] = SEAMS,
         else:
             oracle = oracle_logits(lm, ids)
         oracle_wall = time.perf_counter() - t0
-        oracle_answer, oracle_margin = _decide(oracle, options)
+        reference, reference_diff = _decide(oracle, options)
         base = Composer(lm)
         base.text(segs.preamble + qs.lead)
         for rot in rerotate:
@@ -125,14 +126,14 @@ def run_compose(lm, n: int = 50, seed: int = 0, seams: Sequence[int] = SEAMS,
                 logits = c.text(qs.query)
                 wall = time.perf_counter() - t0
                 assert c.ids == ids
-                answer, margin = _decide(logits, options)
+                answer, diff = _decide(logits, options)
                 rows.append({
                     "model": model_name or lm.info.spec, "query_id": q.query_id, "domain": q.domain, "kind": q.kind,
                     "n_blocks": len(placed), "block_tokens": sum(len(blocks[b]) for b in placed),
-                    "context_tokens": len(ids), "seam": s, "rerotate": bool(rot), "agree": answer == oracle_answer,
+                    "context_tokens": len(ids), "seam": s, "rerotate": bool(rot), "agree": answer == reference,
                     "top1_agree": int(logits.argmax()) == int(oracle.argmax()), **compare(logits, oracle),
-                    "answer": answer, "oracle_answer": oracle_answer, "expected": q.expected, "margin": margin,
-                    "oracle_margin": oracle_margin, "wall_s": wall, "oracle_wall_s": oracle_wall,
+                    "answer": answer, "reference": reference, "expected": q.expected, "option_diff": diff,
+                    "reference_option_diff": reference_diff, "wall_s": wall, "oracle_wall_s": oracle_wall,
                 })
         return pd.DataFrame(rows, columns=list(COLUMNS))
 

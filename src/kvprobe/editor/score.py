@@ -10,9 +10,9 @@ builds its rows here, in one vocabulary (:data:`ROW_COLUMNS`, edits.parquet's):
                         case without expected answers)
     m_stale, m_oracle   the same of the stale and the oracle read; ``oracle_flip`` their difference
     recovery            (m - m_stale) / oracle_flip, NaN when the flip is under ``min_flip``
-    pred, pred_oracle   the decision this state and the oracle read (the arg-max option; the top
-                        token's text for a case without options)
-    agree               pred == pred_oracle (a bool)
+    pred, reference     the decision this state and the oracle (the reference) read (the arg-max
+                        option; the top token's text for a case without options)
+    agree               pred == reference (a bool)
     correct             pred == the case's expected_new
     cosine, kl          the next-token distribution against the oracle's (NaN when the oracle
                         logits are not the full vocabulary's)
@@ -48,7 +48,7 @@ from kvprobe.kv.readout import answer_targets, logit_diff, option_scores, predic
 from kvprobe.metrics import compare, recovery
 
 ROW_COLUMNS = ["strategy", "k", "ranking", "m", "m_stale", "m_oracle", "oracle_flip", "recovery", "pred",
-               "pred_oracle", "agree", "correct", "cosine", "kl", "tokens_recomputed", "tokens_total",
+               "reference", "agree", "correct", "cosine", "kl", "tokens_recomputed", "tokens_total",
                "frac_recomputed", "wall_s", "decide_s", "rewritten_prompt", "generated", "error", "note", "chose"]
 NAN = float("nan")
 
@@ -124,7 +124,7 @@ def score_row(ref: Reference, s: Strategy, edited: Edited, logits: torch.Tensor,
     return {
         "strategy": s.label, "k": s.k, "ranking": s.ranking, "m": m, "m_stale": ref.m_stale,
         "m_oracle": ref.m_oracle, "oracle_flip": ref.oracle_flip, "recovery": ref.recovery(m), "pred": pred,
-        "pred_oracle": ref.pred_oracle, "agree": pred == ref.pred_oracle, "correct": pred == ref.a.case.expected_new,
+        "reference": ref.pred_oracle, "agree": pred == ref.pred_oracle, "correct": pred == ref.a.case.expected_new,
         **distribution, "tokens_recomputed": float(edited.recomputed), "tokens_total": edited.total,
         "frac_recomputed": float(edited.recomputed) / edited.total, "wall_s": edited.wall_s, "decide_s": decide_s,
         "rewritten_prompt": edited.rewritten_prompt, "generated": generated, "error": None, "note": edited.note,
@@ -155,7 +155,7 @@ def measure_strategies(lm, a: AlignedCase, strategies: Sequence[Strategy], *, ct
     ``ctx`` is the case's :class:`EditContext` (it carries a policy or a ranking), else one is built
     from ``old_cache`` (the old prompt's cache of [0, D), never changed) or a prefill. A strategy
     that refuses the case or fails with a :class:`KvprobeError` is an :func:`error_row` (with
-    ``pred_oracle``, so it can be counted against the oracle's decision). The caller
+    ``reference``, so it can be counted against the oracle's decision). The caller
     holds ``lm.lock`` where threads share the model. ``on_row`` is called after each strategy's row.
     ``oracle`` computes the oracle's state (a full prefill, :class:`Oracle`, unless given: calibrate's
     :class:`~kvprobe.editor.strategies.PrefixOracle`).
@@ -174,7 +174,7 @@ def measure_strategies(lm, a: AlignedCase, strategies: Sequence[Strategy], *, ct
                 states[label] = apply(ctx, s)
                 reads[label] = timed_read(lm, states[label])
         except KvprobeError as exc:
-            rows.append(error_row(s, exc) | {"pred_oracle": ref.pred_oracle})
+            rows.append(error_row(s, exc) | {"reference": ref.pred_oracle})
         else:
             logits, decide_s = reads[label]
             rows.append(score_row(ref, s, states[label], logits, decide_s) | {"margin": ref.margin(logits)})

@@ -40,7 +40,8 @@ from kvprobe.stopping.sequence import ALPHA_LOWER, ALPHA_UPPER, Sequence
 
 CANDIDATES = ("field_only", "erratum")  # cheapest first: the value's tokens, then the correction line's
 STRATEGIES = ("stale", "oracle", *CANDIDATES)
-COLUMNS = ("element", "user_id", "fact", "question_id", "kind", "strategy", "answer", "margin", "reference", "agree",
+COLUMNS = ("element", "user_id", "fact", "question_id", "kind", "strategy", "answer", "option_diff", "reference",
+           "agree",
            "changed", "tokens_recomputed", "wall_s", "decide_s")
 
 
@@ -74,13 +75,13 @@ def element_rows(lm, data: MemorySet, segs: MemorySegments, element: str, late: 
             if st.cache is None:  # field-only where the values differ in token length: it fails the element
                 got[name] = ("", float("nan"), float("nan"), float("nan"))
                 continue
-            answer, margin, decide_s = read_question(lm, st, tail, options)
-            got[name] = (answer, margin, st.recomputed + len(tail), decide_s)
+            answer, diff, decide_s = read_question(lm, st, tail, options)
+            got[name] = (answer, diff, st.recomputed + len(tail), decide_s)
         ref, stale = got["oracle"][0], got["stale"][0]
-        for name, (answer, margin, tokens, decide_s) in got.items():
+        for name, (answer, diff, tokens, decide_s) in got.items():
             rows.append({"element": element, "user_id": element.split(":")[0], "fact": user.edit_key,
                          "question_id": q.question_id, "kind": q.kind, "strategy": name, "answer": answer,
-                         "margin": margin, "reference": ref, "agree": bool(answer) and answer == ref,
+                         "option_diff": diff, "reference": ref, "agree": bool(answer) and answer == ref,
                          "changed": ref != stale, "tokens_recomputed": tokens, "wall_s": states[name].wall_s,
                          "decide_s": decide_s})
     return pd.DataFrame(rows, columns=list(COLUMNS))

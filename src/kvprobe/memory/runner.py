@@ -21,7 +21,7 @@ Arms, by ``group``::
                                   after preamble + next session with re-rotation
                                   (:func:`~kvprobe.composer.compose`), its first S tokens fed fresh
 
-Per row: the arm's decision (arg-max of the options' first-token logits, :func:`_decide`) and margin,
+Per row: the arm's decision (arg-max of the options' first-token logits, :func:`_decide`) and ``option_diff``,
 ``expected`` (the current profile's answer; after the edit for the edit arms; empty for negative
 questions), ``correct``, ``reference`` (the oracle's answer for edit arms, ``transplant_full``'s for
 transplant arms) and ``agree`` with it, ``changed`` (edit arms: the answer differs from ``late``,
@@ -54,8 +54,8 @@ from kvprobe.metrics import mean_ci, proportion, tost_paired
 GROUPS = ("qa", "edit", "transplant")
 DEFAULT_SEAMS = (0, 4)
 DEFAULT_MARGIN = 0.05
-COLUMNS = ("model", "question_id", "user_id", "kind", "fact", "group", "arm", "repair", "layout", "answer", "margin",
-           "expected", "correct", "reference", "agree", "changed", "context_tokens", "tokens_recomputed",
+COLUMNS = ("model", "question_id", "user_id", "kind", "fact", "group", "arm", "repair", "layout", "answer",
+           "option_diff", "expected", "correct", "reference", "agree", "changed", "context_tokens", "tokens_recomputed",
            "frac_recomputed", "wall_s", "decide_s", "setup_s", "error")
 
 
@@ -143,12 +143,13 @@ def user_states(lm, data: MemorySet, segs: MemorySegments, user_id: str, seams: 
 
 
 def read_question(lm, st: State, tail: list[int], options: dict[str, list[int]]) -> tuple[str, float, float]:
-    """The decision (answer, margin) of the question ``tail`` read on ``st``'s cache, and the read's seconds
+    """The decision (answer, option_diff: the first option's score minus the second's) of the question ``tail``
+    read on ``st``'s cache, and the read's seconds
     (the cache is left as it was)."""
     t0 = time.perf_counter()
     logits, _ = decide(lm, Edited(st.cache, list(tail), 0, st.context_tokens + len(tail)))
-    answer, margin = _decide(logits, options)
-    return answer, margin, time.perf_counter() - t0
+    answer, diff = _decide(logits, options)
+    return answer, diff, time.perf_counter() - t0
 
 
 def question_rows(lm, data: MemorySet, segs: MemorySegments, states: dict[str, State], question_id: str,
@@ -176,11 +177,11 @@ def question_rows(lm, data: MemorySet, segs: MemorySegments, states: dict[str, S
                "expected": q.expected_new if group == "edit" else q.expected_old,
                "context_tokens": st.context_tokens + len(tail), "setup_s": st.setup_s, "error": st.error or None}
         if st.cache is None:
-            rows[arm] = {**row, "answer": "", "margin": float("nan"), "tokens_recomputed": float("nan"),
+            rows[arm] = {**row, "answer": "", "option_diff": float("nan"), "tokens_recomputed": float("nan"),
                          "wall_s": float("nan"), "decide_s": float("nan")}
             continue
-        answer, margin, decide_s = read_question(lm, st, tail, options)
-        rows[arm] = {**row, "answer": answer, "margin": margin, "tokens_recomputed": st.recomputed + len(tail),
+        answer, diff, decide_s = read_question(lm, st, tail, options)
+        rows[arm] = {**row, "answer": answer, "option_diff": diff, "tokens_recomputed": st.recomputed + len(tail),
                      "wall_s": st.wall_s, "decide_s": decide_s}
     ref = {"edit": rows["oracle"]["answer"], "transplant": rows["transplant_full"]["answer"]}
     for r in rows.values():

@@ -58,8 +58,9 @@ def memory_tables(run: Run) -> tuple[pd.DataFrame, pd.DataFrame, float, float] |
     from kvprobe.memory import DEFAULT_MARGIN, equivalence, summarize_memory
 
     m = run.memory_manifest
-    margin, alpha = m.get("margin", DEFAULT_MARGIN), m.get("alpha", MEMORY_ALPHA)
-    for key, value, top in (("margin", margin, 1.0), ("alpha", alpha, 0.5)):
+    key = "equivalence_margin" if "equivalence_margin" in m else "margin"  # "margin" before tables schema 2
+    margin, alpha = m.get(key, DEFAULT_MARGIN), m.get("alpha", MEMORY_ALPHA)
+    for key, value, top in ((key, margin, 1.0), ("alpha", alpha, 0.5)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < top:
             raise KvprobeError(f"{run.folder / MEMORY_MANIFEST} has {key} {value!r}, where kvprobe memory writes a "
                                f"number in (0, {top:g}); rerun the command that wrote it, or move the file away")
@@ -80,7 +81,8 @@ def memory(run: Run) -> dict | None:
              "repairs": getattr(r, "repairs", "") or None} for r in summ.itertuples()]
     tests = [{"arm": r.arm, "against": r.against, "n": int(r.n), "only_a": int(r.only_a), "only_b": int(r.only_b),
               "difference": {"value": num(r.diff), "lo": num(r.lo), "hi": num(r.hi), "n": int(r.n)},
-              "confidence": num(r.confidence), "margin": num(r.margin), "equivalent": bool(r.equivalent)}
+              "confidence": num(r.confidence), "equivalence_margin": num(r.equivalence_margin),
+              "equivalent": bool(r.equivalent)}
              for r in tost.itertuples()]
     p = run.memory_manifest.get("policy")
     policy = ({"threshold": num(p.get("threshold")),
@@ -101,7 +103,7 @@ def tost_text(r) -> str:
     if not r.n:
         return "no question answered on both arms"
     return (f"difference {r.diff:+.3f}, {r.confidence:.0%} [{r.lo:+.3f}, {r.hi:+.3f}] n={r.n}, "
-            f"equivalent at ±{r.margin:g}: {'yes' if r.equivalent else 'no'}")
+            f"equivalent at ±{r.equivalence_margin:g}: {'yes' if r.equivalent else 'no'}")
 
 
 def memory_sentence(summ: pd.DataFrame, tost: pd.DataFrame) -> str:

@@ -52,9 +52,9 @@ from kvprobe.sweep.summary import FIELD_ABOVE, NOTES_BELOW, verdict
 
 SUMMARY = "summary.json"
 SCHEMA = Path(__file__).with_name("summary.schema.json")
-SCHEMA_VERSION = 5  # 2: the repair rule needs both legs; per_field, why_not; the run's sizing. 3: durations in
+SCHEMA_VERSION = 6  # 2: the repair rule needs both legs; per_field, why_not; the run's sizing. 3: durations in
 # seconds (repair_s, to_decision_s), as every other kvprobe file. 4: weight_edit (kvprobe weight-edit folders).
-# 5: memory (kvprobe memory folders)
+# 5: memory (kvprobe memory folders). 6: a TOST's margin is equivalence_margin (memory.equivalence)
 WHERE = {"takes notes": "downstream notes", "reads the field": "the field", "mixed": "mixed",
          "inconclusive": "inconclusive"}
 TOP_K = 8  # the top-notes figure quoted beside the verdict (the middle K when the run has no 8)

@@ -62,7 +62,7 @@ DEFAULT_RATES = "0.2,inf"
 MIN_POLICY_TOKENS, MAX_POLICY_TOKENS = 1000, 8000
 COLUMNS = ("model", "served_model", "rate", "arm", "request", "session", "turn", "field", "kind", "rendering",
            "value", "notes", "rewrites", "prompt_tokens", "local_tokens", "cached_tokens", "cached_reported",
-           "ceiling_tokens", "hit_rate", "ttft_s", "latency_s", "send_s", "answer", "margin", "reference", "agree",
+           "ceiling_tokens", "hit_rate", "ttft_s", "latency_s", "send_s", "answer", "option_diff", "reference", "agree",
            "ok", "error", "run_sent", "run_wall_s", "run_queries", "run_hits", "block_size")
 
 
@@ -246,7 +246,7 @@ class AgentBench(ServerRun):
         ok = c.error is None
         answer, scores = decide(c.top_logprobs, self.option_ids) if ok else ("?", {})
         a, b = self.spec.options
-        margin = scores.get(a, math.nan) - scores.get(b, math.nan) if ok else math.nan
+        diff = scores.get(a, math.nan) - scores.get(b, math.nan) if ok else math.nan
         reference = answer if arm == REFERENCE else ref.get((t.session, t.turn), "?")
         prompt_tokens = c.prompt_tokens if c.prompt_tokens is not None else len(ids)
         return {
@@ -259,7 +259,7 @@ class AgentBench(ServerRun):
             "hit_rate": c.cached_tokens / prompt_tokens if ok and prompt_tokens and c.cached_tokens is not None
             else math.nan,
             "ttft_s": c.ttft_s, "latency_s": c.latency_s, "send_s": send_s,
-            "answer": answer, "margin": margin, "reference": reference,
+            "answer": answer, "option_diff": diff, "reference": reference,
             "agree": float(answer == reference) if ok and answer != "?" and reference != "?" else math.nan,
             "ok": ok, "error": c.error or "", "run_sent": n_sent, "run_wall_s": wall,
             "run_queries": math.nan if queries is None else float(queries),
@@ -275,13 +275,13 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
 
     if df.empty:
         return pd.DataFrame()
-    base = measure.summarize(df.assign(oracle_answer="?")).drop(columns=["agreement", "n_agreement",
-                                                                         "oracle_answers"])
+    base = measure.summarize(df.assign(reference="?")).drop(columns=["agreement", "n_agreement",
+                                                                         "distinct_references"])
     extra = []
     for (rate, arm), g in df.groupby(["rate", "arm"], sort=True):
         row = {"rate": float(rate), "arm": arm, "notes_share": float((g["notes"] > 0).mean()),
                "rewrites": int(g.groupby("session")["rewrites"].max().sum()),
-               "decided": int((g["answer"] != "?").sum()), "ties": int((g["margin"] == 0).sum())}
+               "decided": int((g["answer"] != "?").sum()), "ties": int((g["option_diff"] == 0).sum())}
         for kind in KINDS:
             agree = g.loc[(g["kind"] == kind), "agree"].dropna()
             k, n = int(agree.sum()), len(agree)

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from kvprobe.datasets import ERRATUM_TEMPLATES
 from kvprobe.errors import EnvironmentProblem, KvprobeError, UsageError
 from kvprobe.results import (SERVING, SERVING_MANIFEST, CaseStore, atomic_write_json, claim_identity, json_object,
-                             refuse_foreign, version_entry)
+                             read_table, refuse_foreign, version_entry)
 from kvprobe.serving import measure
 from kvprobe.serving.client import (Completion, ServerGone, get_json, scrape_metrics, stream_completion)
 from kvprobe.serving.served import check_model, load_tokenizer, pick_served, weights_identity  # noqa: F401
@@ -38,7 +38,7 @@ TABLE = "serving"
 DEFAULT_RATES = "0.5,1,2,inf"
 COLUMNS = ("model", "served_model", "rate", "arm", "request", "value", "prompt_tokens", "cached_tokens",
            "cached_reported", "ceiling_tokens", "hit_rate", "ttft_s", "latency_s", "send_s", "finish_s", "answer",
-           "text", "oracle_answer", "rule_answer", "agree", "ok", "error", "run_sent", "run_wall_s", "run_queries",
+           "text", "reference", "rule_answer", "agree", "ok", "error", "run_sent", "run_wall_s", "run_queries",
            "run_hits", "block_size", "base_prompt_tokens")
 
 
@@ -277,7 +277,7 @@ class Bench(ServerRun):
     def _replay(self) -> None:
         """Feed finished runs' prompts (and their oracles) into the ceiling and the oracle table."""
         for df in self.store.finished():
-            for arm, value, oracle in zip(df["arm"], df["value"], df["oracle_answer"]):
+            for arm, value, oracle in zip(df["arm"], df["value"], df["reference"]):
                 self.ceiling.add(self.policy.arm_prompt(self.tok, arm, value))
                 if value not in self.oracle:
                     self.ceiling.add(self.policy.ids(self.tok, value))
@@ -356,7 +356,7 @@ class Bench(ServerRun):
                 else math.nan,
                 "ttft_s": c.ttft_s, "latency_s": c.latency_s, "send_s": sent[i],
                 "finish_s": sent[i] + c.latency_s if ok else math.nan, "answer": answer, "text": c.text,
-                "oracle_answer": oracle, "rule_answer": p.expected(value),
+                "reference": oracle, "rule_answer": p.expected(value),
                 "agree": float(answer == oracle) if ok and oracle != "?" else math.nan, "ok": ok,
                 "error": c.error or "", "run_sent": n_sent, "run_wall_s": wall,
                 "run_queries": math.nan if queries is None else float(queries),
@@ -368,6 +368,6 @@ class Bench(ServerRun):
 
 def summarize_folder(out: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(per-run summary, erratum-vs-edit ratios) of a results folder's serving.parquet."""
-    df = pd.read_parquet(Path(out) / SERVING)
+    df = read_table(Path(out) / SERVING)  # a table of tables schema 1 under today's names
     summary = measure.summarize(df)
     return summary, measure.ratios(summary)

@@ -210,7 +210,7 @@ SUMMARY_KEYS = ("rate", "arm")
 
 def summarize(df: pd.DataFrame, usage_reported: bool | None = None) -> pd.DataFrame:
     """One row per (rate, arm): counts, both hit rates and whether they agree, the ceiling, TTFT
-    percentiles, throughput and decision agreement with the oracle (``oracle_answers``: how many
+    percentiles, throughput and decision agreement with the oracle (``distinct_references``: how many
     distinct answers the oracle gave; with one, agreement cannot tell a right arm from a stuck one).
 
     ``usage_reported``: whether the server reports cached tokens per request at all (default: some
@@ -240,8 +240,8 @@ def summarize(df: pd.DataFrame, usage_reported: bool | None = None) -> pd.DataFr
             "ttft_p99": percentile(ok["ttft_s"], 99),
             "throughput": len(ok) / wall if wall > 0 else float("nan"),
             "agreement": float(agree.mean()) if len(agree) else float("nan"), "n_agreement": len(agree),
-            "oracle_answers": int(ok.loc[ok["oracle_answer"] != "?", "oracle_answer"].nunique())
-            if "oracle_answer" in ok else 0,
+            "distinct_references": int(ok.loc[ok["reference"] != "?", "reference"].nunique())
+            if "reference" in ok else 0,
         })
     return pd.DataFrame(rows)
 

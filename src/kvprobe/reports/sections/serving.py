@@ -51,8 +51,8 @@ def build_serving(run: Run) -> dict | None:
                        else float("nan"),
                        "ceiling": float(g["ceiling_tokens"].sum()) / prompt if prompt else float("nan"),
                        "agree": Stat.share(g["agree"].dropna().astype(float)),
-                       "oracle_answers": int(g.loc[g["oracle_answer"] != "?", "oracle_answer"].nunique())
-                       if "oracle_answer" in g else 0})
+                       "distinct_references": int(g.loc[g["reference"] != "?", "reference"].nunique())
+                       if "reference" in g else 0})
     rows = [{"rate": _rate_text(r.rate), "arm": r.arm, "ok": r.ok, "n": r.n, "metrics": r.hit_rate_metrics,
              "usage": r.hit_rate_usage, "agree_rates": r.hit_rates_agree, "ceiling": r.ceiling,
              "p50": r.ttft_p50 * 1000, "p90": r.ttft_p90 * 1000, "p99": r.ttft_p99 * 1000,
@@ -76,7 +76,7 @@ def build_serving(run: Run) -> dict | None:
     note = (f"In {len(disagree)} run(s) the /metrics and per-request hit rates differ by more than 2 points "
             f"(preempted or concurrently scheduled requests are counted twice by the server's counters).") \
         if disagree else None
-    stuck = [p["arm"] for p in pooled if p["arm"] != "unchanged" and p["oracle_answers"] == 1]
+    stuck = [p["arm"] for p in pooled if p["arm"] != "unchanged" and p["distinct_references"] == 1]
     stuck_note = (f"The oracle gave one answer for every value of {', '.join(stuck)}: there, decision agreement "
                   f"cannot tell a right answer from a stuck one.") if stuck else None
     return {"missing": None, "rows": rows, "pooled": pooled, "ratios": ratio_rows, "facts": facts, "note": note,
