@@ -172,7 +172,8 @@ TABLE_SCHEMAS: dict[str, TableSchema] = {
                                    "error note chose skip",
                               number="m m_stale m_oracle oracle_flip recovery cosine kl tokens_recomputed "
                                      "frac_recomputed wall_s decide_s margin to_decision_s",
-                              whole="k tokens_total", flag="agree correct rewritten_prompt degenerate changed"),
+                              whole="k tokens_total read_batch",
+                              flag="agree correct rewritten_prompt degenerate changed"),
     CALIBRATION_SUMMARY: table_schema("a calibration summary", text="field strategy verdict",
                                       number="change_rate change_lo change_hi agree agree_lo agree_hi agree_changed "
                                              "agree_changed_lo agree_changed_hi flip_rate flip_lo flip_hi "
@@ -220,6 +221,7 @@ UNITS = {"m": "logits", "m_stale": "logits", "m_oracle": "logits", "m_old": "log
          "change_rate": "share (0 to 1)", "final_loss": "nats", "steps": "count (optimizer steps)",
          "contamination": "share (0 to 1)", "contamination_changed": "count", "contamination_n": "count",
          "changed": "share (0 to 1) or true/false", "oracle_prefix_share": "share (0 to 1)",
+         "read_batch": "count (the decision reads that shared one batched forward; its decide_s is the batch's)",
          **dict.fromkeys(("recovery", "recovery_lo", "recovery_hi"),
                          "ratio of the oracle's flip (1: the oracle's, 0: the stale cache's; may leave [0, 1])")}
 

@@ -29,7 +29,7 @@ def test_measure_strategies_scores_stale_oracle_and_each_strategy_in_the_edit_ta
     lm, a = aligned_case()
     typed = [editor.parse_strategy(s) for s in ["erratum", "field_only", "erratum"]]  # erratum twice: one row
     rows = score.measure_strategies(lm, a, typed, min_flip=0.0)
-    assert list(rows.columns) == [*score.ROW_COLUMNS, "margin"]
+    assert list(rows.columns) == [*score.ROW_COLUMNS, "margin", "read_batch"] and (rows.read_batch == 1).all()
     assert list(rows.strategy) == ["stale", "oracle", "erratum", "field_only"]
     by = rows.set_index("strategy")
     assert by.loc["oracle", "agree"] and by.loc["oracle", "recovery"] == pytest.approx(1.0)
@@ -50,6 +50,47 @@ def test_the_same_rows_as_edit_case():
     for col in ("pred", "reference", "agree", "tokens_recomputed", "tokens_total", "k", "ranking", "chose", "note"):
         pd.testing.assert_series_equal(mine[col], theirs.loc[mine.index, col], check_dtype=False)
     assert bool(theirs.valid.iloc[0]) == valid_case(a.case, mine.loc["stale", "pred"], mine.loc["oracle", "pred"])
+
+
+def test_batched_reads_give_the_reads_one_by_one():
+    """Issue 54, item 2: the states of one shape (stale, the oracle, field_only and selective: a cache of D
+    and the decision token) read as one batch give the decisions read one by one, the logits within float
+    rounding; each row says how many reads shared its batch, and the errata (another shape) are read alone."""
+    lm, a = aligned_case()
+    typed = [editor.parse_strategy(s) for s in SPECS]
+    alone = score.measure_strategies(lm, a, typed, batch_reads=False).set_index("strategy")
+    batched = score.measure_strategies(lm, a, typed, batch_reads=True).set_index("strategy")
+    for col in ("pred", "reference", "agree", "tokens_recomputed", "tokens_total"):
+        pd.testing.assert_series_equal(alone[col], batched[col], check_dtype=False)
+    for col in ("m", "m_stale", "m_oracle", "margin", "cosine", "kl"):
+        assert batched[col].to_numpy() == pytest.approx(alone[col].to_numpy(), abs=1e-4, nan_ok=True)
+    assert batched.read_batch.to_dict() == {"stale": 4, "oracle": 4, "field_only": 4, "selective:2:random": 4,
+                                           "erratum": 1}
+    assert len(set(batched.loc[["stale", "oracle", "field_only"], "decide_s"])) == 1  # the batch's seconds
+
+
+def test_whether_a_batch_pays_is_measured_once_per_model_and_size(monkeypatch):
+    """batch_reads=None batches where one batched read was measured to cost less than 0.9 of as many single
+    reads, measured once per model and number of rows in the process."""
+    lm, a = aligned_case()
+    typed = [editor.parse_strategy("field_only")]
+    calls = []
+    real = score.decide_batch
+
+    def counted(lm_, states):
+        calls.append(len(states))
+        return real(lm_, states)
+
+    monkeypatch.setattr(score, "_PAYS", score.weakref.WeakKeyDictionary())
+    monkeypatch.setattr(score, "decide_batch", counted)
+    first = score.measure_strategies(lm, a, typed, batch_reads=None)
+    measured = score.batch_measured(lm)
+    assert [m["rows"] for m in measured] == [3] and calls[:2] == [3, 3]  # two timed tries of the batch
+    again = score.measure_strategies(lm, a, typed, batch_reads=None)
+    assert len(score.batch_measured(lm)) == 1  # not measured again
+    expect = 3 if measured[0]["batched"] else 1
+    assert (first.read_batch == expect).all() and (again.read_batch == expect).all()
+    assert measured[0]["batched"] == (measured[0]["batch_s"] < 0.9 * 3 * measured[0]["single_s"])
 
 
 def test_a_strategy_that_cannot_repair_the_case_is_an_error_row():

@@ -23,7 +23,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -111,12 +111,16 @@ def check_choice(name: str, value: str, accepted: dict[str, str], flag: str = ""
 
 
 def measure_pair(lm, spec: CalibrationSpec, name: str, base: dict[str, str], new: str, candidates: list,
-                 form: str = "auto", prefix: SharedPrefix | None = None, oracle: str = "prefix") -> pd.DataFrame:
+                 form: str = "auto", prefix: SharedPrefix | None = None, oracle: str = "prefix",
+                 batch_reads: bool | None = None) -> pd.DataFrame:
     """One pair: a row per strategy (stale, oracle, each candidate) from the one measurement core
     (:func:`kvprobe.editor.score.measure_strategies`, edits.parquet's columns, plus the pair's
     values, ``to_decision_s`` and ``changed``), or one skipped row. The old prompt's cache
     continues ``prefix`` where one is given; the oracle is computed as :data:`ORACLES` says (the
-    same decision up to float rounding: tests/calibrate compares the two)."""
+    same decision up to float rounding: tests/calibrate compares the two). The decisions of stale, the
+    oracle and a candidate whose state has their shape are read as one batch where that was measured to
+    cost less on this machine (``batch_reads`` None; True or False force it: the same decisions up to float
+    rounding, :func:`kvprobe.editor.score.read_states`)."""
     from kvprobe.api import aligned_edit
     from kvprobe.editor.context import EditContext, make_context
     from kvprobe.editor.score import measure_strategies
@@ -141,7 +145,8 @@ def measure_pair(lm, spec: CalibrationSpec, name: str, base: dict[str, str], new
     with lm.lock:
         D = a.decision_pos
         ec = (EditContext(lm, a, prefix.old_cache(a.ids_old[:D])) if prefix is not None else make_context(lm, a))
-        df = measure_strategies(lm, a, typed, ctx=ec, oracle=PrefixOracle() if oracle == "prefix" else Oracle())
+        df = measure_strategies(lm, a, typed, ctx=ec, oracle=PrefixOracle() if oracle == "prefix" else Oracle(),
+                                batch_reads=batch_reads)
     stale = df.loc[df.strategy == "stale", "pred"].iloc[0]
     df.insert(0, "field", name)
     for i, (k, v) in enumerate(head.items()):
@@ -171,6 +176,7 @@ class Calibration:
     fields: list[FieldResult]
     prefix_tokens_saved: int = 0  # old-prompt tokens not prefilled again (SharedPrefix), this process
     wasted: int = 0  # pairs a parallel executor measured past a field's stopping point: dropped, parts kept
+    reads: list = field(default_factory=list)  # whether batched reads paid, as measured here (batch_measured)
 
 
 def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CANDIDATES,
@@ -178,7 +184,7 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
               max_pairs: int = 200, seed: int = 0, form: str = "auto", parts=None,
               progress: Callable[[str, int, int], None] = lambda field, done, total: None,
               executor=None, oracle: str = "prefix", procedure: str = "chain",
-              say: Callable[[str], None] = lambda message: None) -> Calibration:
+              say: Callable[[str], None] = lambda message: None, batch_reads: bool | None = None) -> Calibration:
     """Calibrate every field of ``spec`` (or the spec file at that path) on the model ``lm`` (a
     loaded model or a spec :func:`kvprobe.load` takes; see the module docstring).
     ``parts(name)`` gives a :class:`kvprobe.results.CaseStore` per field to keep finished pairs.
@@ -187,7 +193,8 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
     candidate in play measured; once it is ruled out the next, measured back over the pairs so far)
     or ``shared`` (every candidate on every pair, alpha_lower shared: what kvprobe did before the
     chain). ``say`` gets a line when a chain brings its next candidate in (measuring it back over
-    the pairs so far takes a while).
+    the pairs so far takes a while). ``batch_reads``: :func:`measure_pair`'s (None: batched where measured
+    to pay).
 
     ``executor`` (:mod:`kvprobe.executor`; serial by default) measures the pairs. The sequential
     rule reads them in the order they were drawn, whatever order the workers finish in, so it
@@ -236,13 +243,13 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
         def one(ctx, item, name=name):
             (base, new), cand = item
             return measure_pair(ctx.lm, spec, name, base, new, [typed[c] for c in ([cand] if cand else candidates)],
-                                form, ctx.keep(_PREFIX, SharedPrefix), oracle)
+                                form, ctx.keep(_PREFIX, SharedPrefix), oracle, batch_reads)
 
         def count(key: str, cand: str, res=res, name=name, store=store) -> None:
             """Count ``cand`` on the pair ``key``, measuring it there first if its part lacks it."""
             df = rows_of[key]
             if not (df.strategy == cand).any():
-                got = measure_pair(lm, spec, name, *pair_of[key], [typed[cand]], form, prefix, oracle)
+                got = measure_pair(lm, spec, name, *pair_of[key], [typed[cand]], form, prefix, oracle, batch_reads)
                 df = rows_of[key] = pd.concat([df, got[got.strategy == cand]], ignore_index=True)
                 if store is not None:
                     store.save(key, df)
@@ -301,4 +308,7 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
     rows = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     summary = summarize(rows, results, seq, change_seq, candidates)
     policy = policy_of(lm, spec, results, summary, seq, change_seq, candidates, max_pairs)
-    return Calibration(rows, summary, policy, results, prefix.tokens_saved, executor.wasted - wasted)
+    from kvprobe.editor.score import batch_measured
+
+    return Calibration(rows, summary, policy, results, prefix.tokens_saved, executor.wasted - wasted,
+                       batch_measured(lm))

@@ -32,6 +32,7 @@ Validity is :func:`kvprobe.kv.readout.valid_case`.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -43,7 +44,8 @@ from kvprobe.defaults import DEFAULT_MIN_FLIP
 from kvprobe.editor.context import EditContext, make_context
 from kvprobe.editor.strategies import Oracle, Stale, Strategy, apply
 from kvprobe.errors import KvprobeError
-from kvprobe.kv.decode import Edited, decide
+from kvprobe.kv import cache as kvcache
+from kvprobe.kv.decode import Edited, decide, decide_batch
 from kvprobe.kv.readout import answer_targets, logit_diff, option_scores, predicted, valid_case
 from kvprobe.metrics import compare, recovery
 
@@ -144,13 +146,71 @@ def timed_read(lm, edited: Edited) -> tuple[torch.Tensor, float]:
     return logits, time.perf_counter() - start
 
 
+def _shape(e: Edited) -> tuple:
+    return kvcache.seq_len(e.cache), tuple(e.tail_ids)
+
+
+# Whether reading several states of one shape as one batch costs less than reading them one by one, per
+# model in this process and number of rows: measured once (:func:`batch_pays`), since it depends on the CPU,
+# the dtype and the matmul kernels (float32 on a Zen 4: a batch of 2 or 3 one-token reads of the 1.5B costs
+# more than as many single reads; bfloat16: a third of them; docs/perf.md).
+_PAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # lm.model -> {rows: measurement}
+
+
+def batch_pays(lm, states: Sequence[Edited]) -> dict:
+    """Time one read of ``states[0]`` alone and one batched read of all ``states`` (of one shape), the better
+    of two tries each, once per model in this process and number of rows; ``{"rows", "single_s", "batch_s",
+    "batched"}``, ``batched`` when the batch costs less than 0.9 of as many single reads."""
+    known = _PAYS.setdefault(lm.model, {})
+    if len(states) not in known:
+        single = min(timed_read(lm, states[0])[1] for _ in range(2))
+        batch = []
+        for _ in range(2):
+            start = time.perf_counter()
+            decide_batch(lm, states)
+            batch.append(time.perf_counter() - start)
+        known[len(states)] = {"rows": len(states), "single_s": single, "batch_s": min(batch),
+                              "batched": min(batch) < 0.9 * len(states) * single}
+    return known[len(states)]
+
+
+def batch_measured(lm) -> list[dict]:
+    """What :func:`batch_pays` measured for ``lm`` in this process (empty where nothing was batched)."""
+    return [v for _, v in sorted(_PAYS.get(lm.model, {}).items())]
+
+
+def read_states(lm, states: dict[str, Edited], batch: bool | None = False
+                ) -> dict[str, tuple[torch.Tensor, float, int]]:
+    """Each state's decision logits (V,), its read's seconds and how many reads shared it. With ``batch``, the
+    states of one shape (cache length and tail) are read as one batch, and each of them gets the batch's
+    seconds (an upper bound of its own read: on a CPU a read's cost is mostly the pass over the weights);
+    ``batch=None`` batches where :func:`batch_pays` measured that it costs less. Alone, each is timed alone."""
+    groups: dict[tuple, list[str]] = {}
+    for label, e in states.items():
+        groups.setdefault(_shape(e), []).append(label)
+    out = {}
+    for labels in groups.values():
+        together = batch if batch is not None else len(labels) > 1 and batch_pays(lm, [states[x] for x in labels])[
+            "batched"]
+        if len(labels) > 1 and together:
+            start = time.perf_counter()
+            logits = decide_batch(lm, [states[x] for x in labels])
+            elapsed = time.perf_counter() - start
+            out |= {x: (g, elapsed, len(labels)) for x, g in zip(labels, logits)}
+        else:
+            out |= {x: (*timed_read(lm, states[x]), 1) for x in labels}
+    return out
+
+
 def measure_strategies(lm, a: AlignedCase, strategies: Sequence[Strategy], *, ctx: EditContext | None = None,
                        old_cache=None, min_flip: float = DEFAULT_MIN_FLIP,
-                       on_row: Callable[[], None] = lambda: None, oracle: Strategy | None = None) -> pd.DataFrame:
+                       on_row: Callable[[], None] = lambda: None, oracle: Strategy | None = None,
+                       batch_reads: bool | None = False) -> pd.DataFrame:
     """Stale, the oracle, then each of ``strategies`` (typed; one row per label) on one aligned case,
     each repaired from the old cache, read at the decision token (no chain-of-thought) and scored
     against the stale and oracle reads: a frame of :data:`ROW_COLUMNS` plus ``margin``
-    (:meth:`Reference.margin`), the stale row first, then the oracle's.
+    (:meth:`Reference.margin`) and ``read_batch`` (how many reads shared this one's batch), the stale row
+    first, then the oracle's.
 
     ``ctx`` is the case's :class:`EditContext` (it carries a policy or a ranking), else one is built
     from ``old_cache`` (the old prompt's cache of [0, D), never changed) or a prefill. A strategy
@@ -158,26 +218,37 @@ def measure_strategies(lm, a: AlignedCase, strategies: Sequence[Strategy], *, ct
     ``reference``, so it can be counted against the oracle's decision). The caller
     holds ``lm.lock`` where threads share the model. ``on_row`` is called after each strategy's row.
     ``oracle`` computes the oracle's state (a full prefill, :class:`Oracle`, unless given: calibrate's
-    :class:`~kvprobe.editor.strategies.PrefixOracle`).
+    :class:`~kvprobe.editor.strategies.PrefixOracle`). ``batch_reads`` reads the states of one shape as
+    one batch (:func:`read_states`; None: where it was measured to pay); each is read alone by default.
     """
     ctx = ctx if ctx is not None else make_context(lm, a, old_cache=old_cache)
     oracle = oracle or Oracle()
+    alone = batch_reads is False  # each read as soon as its state is built, timed alone
     states = {label: apply(ctx, s) for label, s in (("stale", Stale()), ("oracle", oracle))}
-    reads = {label: timed_read(lm, e) for label, e in states.items()}
-    ref = Reference.of(a, reads["stale"][0], reads["oracle"][0], min_flip, lm.tokenizer)
+    reads = {label: (*timed_read(lm, e), 1) for label, e in states.items()} if alone else {}
     wanted = {"stale": Stale(), "oracle": oracle} | {s.label: s for s in strategies if s.label not in states}
+    errors = {}
+    for label, s in wanted.items():
+        if label in states:
+            continue
+        try:
+            s.check(lm, a)
+            states[label] = apply(ctx, s)
+            if alone:
+                reads[label] = (*timed_read(lm, states[label]), 1)
+        except KvprobeError as exc:
+            errors[label] = exc
+    if not alone:
+        reads = read_states(lm, states, batch_reads)
+    ref = Reference.of(a, reads["stale"][0], reads["oracle"][0], min_flip, lm.tokenizer)
     rows = []
     for label, s in wanted.items():
-        try:
-            if label not in states:
-                s.check(lm, a)
-                states[label] = apply(ctx, s)
-                reads[label] = timed_read(lm, states[label])
-        except KvprobeError as exc:
-            rows.append(error_row(s, exc) | {"reference": ref.pred_oracle})
+        if label in errors:
+            rows.append(error_row(s, errors[label]) | {"reference": ref.pred_oracle})
         else:
-            logits, decide_s = reads[label]
-            rows.append(score_row(ref, s, states[label], logits, decide_s) | {"margin": ref.margin(logits)})
+            logits, decide_s, shared = reads[label]
+            rows.append(score_row(ref, s, states[label], logits, decide_s) | {"margin": ref.margin(logits),
+                                                                             "read_batch": shared})
         if label in {s.label for s in strategies}:
             on_row()
-    return pd.DataFrame(rows).reindex(columns=[*ROW_COLUMNS, "margin"])
+    return pd.DataFrame(rows).reindex(columns=[*ROW_COLUMNS, "margin", "read_batch"])
