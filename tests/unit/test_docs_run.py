@@ -271,6 +271,10 @@ PLAN: dict[str, Run | Swap | Parse] = {
              set={"--n": "2", "--repeat": "1"}, replace={"PYTHONPATH=/tmp/base/src": None}),
     "python benchmarks/run_case.py --model qwen2.5-1.5b --n 10 --before before.json":
         Swap("the 1.5B, 10 cases: 10 min", model="toy-qwen2", set={"--n": "2", "--repeat": "1"}),
+    "python benchmarks/read_cost.py --model qwen2.5-1.5b --dtype bfloat16 --batches 1,1,2,3,4,8 --repeat 3":
+        Swap("the 1.5B: minutes", model="toy-qwen2", set={"--batches": "1,2", "--repeat": "1", **CALIBRATE_DTYPE}),
+    "python benchmarks/read_cost.py --model qwen2.5-1.5b --dtype float32 --batches 1,1,2,3,4,8 --repeat 3":
+        Swap("the 1.5B: minutes", model="toy-qwen2", set={"--batches": "1,2", "--repeat": "1"}),
     "python benchmarks/erratum_profile.py --model qwen2.5-1.5b --dtype float32 --pairs 3":
         Swap("the 1.5B: minutes; toy-qwen2's tokenizer does not cover the template", model="smollm2-135m",
              set={"--pairs": "1", "--repeat": "1"}),
