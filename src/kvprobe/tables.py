@@ -43,6 +43,7 @@ AGENT = "agent.parquet"  # kvprobe serve-bench --workload agent: one row per tur
 # (its option's score minus the runner-up's, >= 0), ``option_diff`` the first option's score minus the
 # second's (signed), and ``equivalence_margin`` a TOST's margin. Version 1 named them otherwise; a table
 # written before (its metadata's schema below 2, or none) is read under today's names.
+RENAMED_SINCE = 2  # the tables schema that first wrote RENAMED's new names
 RENAMED: dict[str, dict[str, str]] = {
     EDITS: {"pred_oracle": "reference"}, CALIBRATION: {"pred_oracle": "reference"},
     WEIGHT_EDITS: {"pred_oracle": "reference"}, SERVING: {"oracle_answer": "reference"},
@@ -280,11 +281,11 @@ def table_of(path: Path | str) -> str:
 
 def today_names(df: pd.DataFrame, path: Path | str) -> pd.DataFrame:
     """``df``, read from ``path``, under today's column names (:data:`RENAMED`): a table written under an
-    older schema (its metadata's ``schema`` below :data:`TABLES_SCHEMA`, or no metadata) has its columns
-    renamed; today's tables are returned as they are. A part (``parts/<table>/...``) is named by its folder."""
+    older schema (its metadata's ``schema`` below :data:`RENAMED_SINCE`, or no metadata) has its columns
+    renamed; later tables are returned as they are. A part is named by its table (:func:`table_of`)."""
     renamed = RENAMED.get(table_of(path), {})
     old = {a: b for a, b in renamed.items() if a in df.columns and b not in df.columns}
-    if not old or table_metadata(path).get("schema", 1) >= 2:
+    if not old or table_metadata(path).get("schema", 1) >= RENAMED_SINCE:
         return df
     return df.rename(columns=old)
 

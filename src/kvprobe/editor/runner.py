@@ -17,8 +17,7 @@ from kvprobe.executor import Context, Serial
 from kvprobe.editor.context import make_context
 from kvprobe.editor.score import Reference, error_row, score_row
 from kvprobe.editor.strategies import Selective, Strategy, apply, apply_selective_many, parse_strategy
-from kvprobe.kv import cache as kvcache
-from kvprobe.kv.decode import Edited, decide, decide_batch, decide_many
+from kvprobe.kv.decode import Edited, decide, decide_batch, decide_many, shape_of
 from kvprobe.metrics import DEFAULT_MIN_FLIP
 
 
@@ -98,7 +97,7 @@ def _read_by_shape(lm, states: dict[str, Edited]) -> tuple[dict[str, tuple], dic
     read as one batch, and one of them alone (timed: the cost of one read of that shape)."""
     groups: dict[tuple, list[str]] = {}
     for label, e in states.items():
-        groups.setdefault((kvcache.seq_len(e.cache), tuple(e.tail_ids)), []).append(label)
+        groups.setdefault(shape_of(e), []).append(label)
     reads, times = {}, {}
     for labels in groups.values():
         start = time.perf_counter()

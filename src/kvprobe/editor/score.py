@@ -44,8 +44,7 @@ from kvprobe.defaults import DEFAULT_MIN_FLIP
 from kvprobe.editor.context import EditContext, make_context
 from kvprobe.editor.strategies import Oracle, Stale, Strategy, apply
 from kvprobe.errors import KvprobeError
-from kvprobe.kv import cache as kvcache
-from kvprobe.kv.decode import Edited, decide, decide_batch
+from kvprobe.kv.decode import Edited, decide, decide_batch, shape_of
 from kvprobe.kv.readout import answer_targets, logit_diff, option_scores, predicted, valid_case
 from kvprobe.metrics import compare, recovery
 
@@ -146,10 +145,6 @@ def timed_read(lm, edited: Edited) -> tuple[torch.Tensor, float]:
     return logits, time.perf_counter() - start
 
 
-def _shape(e: Edited) -> tuple:
-    return kvcache.seq_len(e.cache), tuple(e.tail_ids)
-
-
 # Whether reading several states of one shape as one batch costs less than reading them one by one, per
 # model in this process and number of rows: measured once (:func:`batch_pays`), since it depends on the CPU,
 # the dtype and the matmul kernels (float32 on a Zen 4: a batch of 2 or 3 one-token reads of the 1.5B costs
@@ -187,12 +182,12 @@ def read_states(lm, states: dict[str, Edited], batch: bool | None = False
     ``batch=None`` batches where :func:`batch_pays` measured that it costs less. Alone, each is timed alone."""
     groups: dict[tuple, list[str]] = {}
     for label, e in states.items():
-        groups.setdefault(_shape(e), []).append(label)
+        groups.setdefault(shape_of(e), []).append(label)
     out = {}
     for labels in groups.values():
-        together = batch if batch is not None else len(labels) > 1 and batch_pays(lm, [states[x] for x in labels])[
-            "batched"]
-        if len(labels) > 1 and together:
+        together = len(labels) > 1 and (batch if batch is not None
+                                        else batch_pays(lm, [states[x] for x in labels])["batched"])
+        if together:
             start = time.perf_counter()
             logits = decide_batch(lm, [states[x] for x in labels])
             elapsed = time.perf_counter() - start

@@ -44,6 +44,11 @@ class Edited:
 COT_CUE = "\nAnswer:"
 
 
+def shape_of(e: Edited) -> tuple[int, tuple[int, ...]]:
+    """What decides whether repaired states can be read as one batch: the cache's length and the tail."""
+    return kvcache.seq_len(e.cache), tuple(e.tail_ids)
+
+
 def _eos_ids(lm) -> set[int]:
     gen = getattr(getattr(lm.model, "generation_config", None), "eos_token_id", None)
     return ({lm.tokenizer.eos_token_id} | set(gen if isinstance(gen, list) else [gen])) - {None}
@@ -64,7 +69,7 @@ def decide_many(lm, edited: Sequence[Edited], cot_tokens: int = 0) -> list[tuple
         return [decide(lm, e, 0) for e in edited]
     groups: dict[tuple, list[int]] = {}
     for i, e in enumerate(edited):
-        groups.setdefault((kvcache.seq_len(e.cache), tuple(e.tail_ids)), []).append(i)
+        groups.setdefault(shape_of(e), []).append(i)
     rows: list[DynamicCache | None] = [None] * len(edited)
     first: list[torch.Tensor | None] = [None] * len(edited)
     for (_, tail), idx in groups.items():
@@ -109,7 +114,7 @@ def decide_batch(lm, edited: Sequence[Edited], batch_bytes: int = 768 * 2**20) -
     :func:`decide` for each, one weight read; every input cache is left as it was."""
     if not edited:
         return []
-    shapes = {(kvcache.seq_len(e.cache), tuple(e.tail_ids)) for e in edited}
+    shapes = {shape_of(e) for e in edited}
     assert len(shapes) == 1, "decide_batch reads states of one cache length and tail"
     (_, tail), = shapes
     per = max(1, batch_bytes // max(1, kvcache.nbytes(edited[0].cache)))
