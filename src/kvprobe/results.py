@@ -28,6 +28,7 @@ from kvprobe.tables import (ATTENTION, CALIBRATION, CALIBRATION_SUMMARY, COMPOSE
 RUN_MANIFEST = "manifest.json"
 RANKING_RULE = "ranking_rule.json"
 SERVING_MANIFEST = "serving_manifest.json"
+ENGINE_MANIFEST = "engine_agent_manifest.json"  # kvprobe serve-bench --engine llama.cpp
 COMPOSE_MANIFEST = "compose_manifest.json"  # kvprobe validate
 REPORT = "report.html"
 
@@ -101,8 +102,8 @@ MEMORY_MANIFEST = "memory_manifest.json"
 SWEEP_MANIFEST = "sweep_manifest.json"
 CLAIMS = {RUN_CLAIM: "kvprobe run", EDIT_CLAIM: "kvprobe edit", VALIDATE_CLAIM: "kvprobe validate",
           SWEEP_CLAIM: "kvprobe sweep", CALIBRATE_CLAIM: "kvprobe calibrate",
-          SERVING_MANIFEST: "kvprobe serve-bench", WEIGHT_EDIT_CLAIM: "kvprobe weight-edit",
-          MEMORY_CLAIM: "kvprobe memory"}
+          SERVING_MANIFEST: "kvprobe serve-bench", ENGINE_MANIFEST: "kvprobe serve-bench --engine llama.cpp",
+          WEIGHT_EDIT_CLAIM: "kvprobe weight-edit", MEMORY_CLAIM: "kvprobe memory"}
 
 
 def refuse_foreign(folder: Path | str, own: str) -> None:

@@ -115,6 +115,52 @@ def print_summary(summary, ratios, title: str) -> None:
 
 
 AGENT_ONLY = ("spec", "field_policy", "sessions", "turns", "gating_share", "gating")
+ENGINES = ("vllm", "llama.cpp")
+
+
+def engine_bench(cfg, out: Path | None) -> None:
+    """``serve-bench --workload agent --engine llama.cpp``: the four arms on llama.cpp, in this process."""
+    import time
+
+    from kvprobe.results import ENGINE_MANIFEST, read_table, refuse_foreign
+    from kvprobe.serving import engine_agent as ea
+    from kvprobe.serving.llamacpp import llama_cpp
+    from kvprobe.serving.measure import rate_label
+
+    llama_cpp()  # installed? (one line if not)
+    out = usable_out(out or Path("results") / f"agent-llamacpp-{Path(cfg.model).name}")
+    refuse_foreign(out, ENGINE_MANIFEST)
+    t0 = time.perf_counter()
+    with progress_bar() as bar:
+        task = bar.add_task("serve-bench (llama.cpp)", total=None)
+        run = ea.EngineAgentBench(cfg, out, progress=lambda msg: bar.update(task, description=msg),
+                                  advance=lambda: bar.advance(task))
+        bar.update(task, total=run.total())
+        path = run.run()
+    df = read_table(path)
+    summary = ea.summarize(df, cfg.rates, cfg.seed)
+    table = Table(title=f"serve-bench --workload agent --engine llama.cpp {cfg.model}: {int(df.prompt_tokens.mean())} "
+                        f"prompt tokens on average ({time.perf_counter() - t0:.0f} s)")
+    for col in ("rate /s", "arm", "n", "TTFT p50", "p90", "req/s", "recomputed/update", "fallbacks",
+                "gating: agree [95% CI]", "inert: agree [95% CI]", f"state ({run.check_field}) [95% CI]"):
+        table.add_column(col, justify="right", no_wrap=col == "arm")
+
+    def share(r, name: str) -> str:
+        k, n = getattr(r, f"{name}_k"), getattr(r, f"{name}_n")
+        return f"{k}/{n} [{_fmt(getattr(r, f'{name}_lo'), 2)}, {_fmt(getattr(r, f'{name}_hi'), 2)}]" if n \
+            else "n/a (n=0)"
+
+    for r in summary.itertuples():
+        ref = r.arm == ea.REFERENCE
+        table.add_row(rate_label(r.rate), r.arm, str(r.n), _fmt(r.ttft_p50_s, 0, 1000, " ms"),
+                      _fmt(r.ttft_p90_s, 0, 1000, " ms"), _fmt(r.req_per_s, 2), _fmt(r.recomputed_per_update, 1),
+                      str(r.fallbacks), "reference" if ref else share(r, "gating"),
+                      "reference" if ref else share(r, "inert"), share(r, "state"))
+    console.print(table)
+    console.print("one llama.cpp slot: each request's service time measured once, queued first come first served "
+                  "at each rate's Poisson arrivals; state: the check's answer holds the field's current value "
+                  "(checks after at least one update of it)")
+    console.print(f"wrote {path}")
 SINGLE_ONLY = ("n", "domain", "erratum_template")
 
 
@@ -157,7 +203,8 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
                 max_s: float | None = typer.Option(None, min=1, help="per run: no new request after this many "
                                                                      "seconds [single: 60; agent: 600]"),
                 arms: str | None = typer.Option(None, help="arms to run [single: unchanged,edit_unique,edit_set,"
-                                                           "erratum; agent: rerender,erratum,policy]"),
+                                                           "erratum; agent: rerender,erratum,policy; "
+                                                           "llama.cpp: and policy+edit]"),
                 policy_tokens: int = typer.Option(1500, help="length of the static policy prompt (1000-8000; "
                                                              "agent: 0 serves the template as it is)"),
                 domain: str | None = typer.Option(None, help="single: the policy's domain (default: seeded choice)"),
@@ -175,6 +222,11 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
                                                              "policy measured as moving the decision)"),
                 eager: bool = typer.Option(False, "--eager", help="start the run's own server in vLLM's eager mode "
                                                                   "(see `kvprobe serve start --eager`)"),
+                engine: str = typer.Option("vllm", help="vllm (a server), or llama.cpp: the agent workload in this "
+                                                        "process, with the policy+edit arm (docs/serving.md)"),
+                threads: int = typer.Option(1, min=1, help="llama.cpp: threads for the model"),
+                state_field: str | None = typer.Option(None, help="llama.cpp: the inert field the state check asks "
+                                                                  "for [request_id, else the first inert field]"),
                 seed: int = 0) -> None:
     """Erratum against in-prefix edit under Poisson load: prefix-cache hit rate, TTFT, throughput and
     decision agreement, into RESULTS/serving.parquet (the agent workload: RESULTS/agent.parquet;
@@ -191,6 +243,10 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
     given = {k: v for k, v in locals().items() if k in AGENT_ONLY + SINGLE_ONLY and v is not None}
     if workload not in ("single", "agent"):
         raise UsageError(f"unknown workload {workload!r}; accepted: single, agent")
+    if engine not in ENGINES:
+        raise UsageError(f"unknown engine {engine!r}; accepted: {', '.join(ENGINES)}")
+    if engine == "vllm" and (state_field is not None or threads != 1):
+        raise UsageError(f"--{'state-field' if state_field is not None else 'threads'} applies to --engine llama.cpp")
     foreign = [k for k in (SINGLE_ONLY if workload == "agent" else AGENT_ONLY) if k in given]
     if foreign:
         raise UsageError(f"--{foreign[0].replace('_', '-')} does not apply to the {workload} workload; "
@@ -200,13 +256,18 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
             if spec is None:
                 raise UsageError("the agent workload needs --spec TEMPLATE.yaml (a calibration spec, e.g. "
                                  "examples/agent-refund.yaml)")
-            cfg = agent.AgentConfig(model=model, spec=str(spec), field_policy=str(field_policy) if field_policy
-                                    else None, rates=parse_rates(rates or agent.DEFAULT_RATES),
-                                    sessions=sessions or 8, turns=turns or 6,
-                                    gating_share=0.25 if gating_share is None else gating_share,
-                                    gating=opt.parse_csv(gating) if gating else None,
-                                    arms=opt.parse_csv(arms) if arms else list(agent.ARMS),
-                                    policy_tokens=policy_tokens, max_s=max_s or 600.0, seed=seed)
+            from kvprobe.serving import engine_agent
+
+            on_engine = engine == "llama.cpp"
+            config, default_arms = (engine_agent.EngineAgentConfig, engine_agent.ARMS) if on_engine \
+                else (agent.AgentConfig, agent.ARMS)
+            cfg = config(model=model, spec=str(spec), field_policy=str(field_policy) if field_policy else None,
+                         rates=parse_rates(rates or agent.DEFAULT_RATES), sessions=sessions or 8, turns=turns or 6,
+                         gating_share=0.25 if gating_share is None else gating_share,
+                         gating=opt.parse_csv(gating) if gating else None,
+                         arms=opt.parse_csv(arms) if arms else list(default_arms), policy_tokens=policy_tokens,
+                         max_s=max_s or 600.0, seed=seed,
+                         **(dict(threads=threads, state_field=state_field) if on_engine else {}))
             from kvprobe.calibrate.spec import load_spec
 
             base = load_spec(spec)  # a bad template fails before any server starts
@@ -225,6 +286,11 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
             bench.resolve_template(cfg.erratum_template)  # a bad template fails before any server starts
     except ValidationError as exc:
         raise UsageError.from_validation(exc, "serve-bench") from None
+    if engine == "llama.cpp":
+        if workload != "agent" or url is not None or eager:
+            raise UsageError("--engine llama.cpp runs the agent workload in this process: give --workload agent, "
+                             "and no --url or --eager")
+        return engine_bench(cfg, out)
     bench.check_model(model)  # so does an unknown model
     prefix = "agent" if workload == "agent" else "serving"
     out = usable_out(out or Path("results") / f"{prefix}-{Path(model).name}")

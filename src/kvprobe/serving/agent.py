@@ -49,8 +49,8 @@ from kvprobe.serving import measure
 from kvprobe.serving.bench import ServerRun
 from kvprobe.serving.client import Completion, decide, stream_chat
 from kvprobe.serving.state import PromptState
-from kvprobe.serving.workload import (Turn, answer_ids, arm_renderings, first_values, gating_fields, padded_spec,
-                                      policy_template, spec_yaml, workload)
+from kvprobe.serving.workload import (Turn, agent_policy, answer_ids, arm_renderings, first_values, gating_fields,
+                                      padded_spec, policy_template, spec_yaml, workload)
 
 TABLE = "agent"
 AGENT = "agent.parquet"
@@ -113,18 +113,10 @@ class AgentBench(ServerRun):
     def __init__(self, cfg: AgentConfig, url: str, out: Path, progress: Callable[[str], None] = lambda s: None,
                  advance: Callable[[], None] = lambda: None, facts: dict | None = None):
         from kvprobe.calibrate.spec import load_spec
-        from kvprobe.editor.strategies import parse_strategy
-        from kvprobe.field_policy import FieldPolicy, load_any
 
         super().__init__(cfg, url, out, progress, advance, facts)
         base = load_spec(cfg.spec)
-        self.policy = None
-        if cfg.field_policy is not None:
-            self.policy = load_any(Path(cfg.field_policy), None, parse_strategy)
-            if not isinstance(self.policy, FieldPolicy):
-                raise KvprobeError(f"{cfg.field_policy} is a top-K policy (topk.yaml); the agent workload needs a "
-                                   f"field_policy.yaml from `kvprobe calibrate` of {cfg.spec}")
-            self._check_policy(base)
+        self.policy = agent_policy(cfg, base, self.tok)
         self.spec = padded_spec(base, self.tok, cfg.policy_tokens, cfg.seed)
         self.calibrated_on = policy_template(cfg.field_policy, self.spec, base)
         self.gating = gating_fields(self.spec, self.policy, cfg.gating)
@@ -133,22 +125,6 @@ class AgentBench(ServerRun):
         if not all(self.option_ids.values()):
             raise KvprobeError(f"{cfg.spec}: an option has no non-space first token: {self.spec.options}")
         self.connect()
-
-    def _check_policy(self, spec) -> None:
-        """The policy must be of this template (its fields) and of --model (its tokenizer; its name too,
-        when bundled: the served weights are not loaded here, so a local folder is trusted on them)."""
-        from kvprobe.models import bundled
-        from kvprobe.models.load import tokenizer_hash
-
-        calibrated = set(self.policy.fields)
-        if not calibrated & set(spec.fields):
-            raise KvprobeError(f"{self.cfg.field_policy} calibrated {', '.join(sorted(calibrated))}, none of the "
-                               f"fields of {self.cfg.spec} ({', '.join(spec.fields)}); calibrate this template")
-        stored = self.policy.model.get("spec")
-        if (self.cfg.model in bundled.BUNDLED and stored != self.cfg.model) or \
-                self.policy.model.get("tokenizer_hash") != tokenizer_hash(self.tok):
-            raise KvprobeError(f"{self.cfg.field_policy} was calibrated for {stored}, not {self.cfg.model} (its name "
-                               f"or tokenizer differs); calibrate this model")
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def identity(self) -> dict:

@@ -18,6 +18,9 @@ how it reaches the model is the field's :class:`Rendering`:
               of the field changed the full re-prefill's decision, so the stale prompt agrees on all)
     rerender  the prefix is rewritten with every current value (exact; the server's prefix cache
               misses from the first changed token on); the notes are then empty
+    edit      the prefix holds the new value, and the engine repairs its cached KV in place with
+              the field's calibrated ``field_only`` or ``selective`` repair (only an engine that
+              edits its own cache: :mod:`kvprobe.serving.llamacpp`; ``renderings(in_place=True)``)
 
 A field's rendering comes from a per-field policy (``field_policy.yaml`` of ``kvprobe calibrate``,
 see :func:`renderings`); without one, every field gets :data:`DEFAULT` (a note with the paper's
@@ -36,7 +39,7 @@ from pathlib import Path
 
 from kvprobe.errors import KvprobeError, UsageError
 
-KINDS = ("note", "none", "rerender")
+KINDS = ("note", "none", "rerender", "edit")
 DEFAULT_TEMPLATE = "paper"
 
 
@@ -55,8 +58,8 @@ class Rendering:
 
     @property
     def label(self) -> str:
-        """``note:paper``, ``none`` or ``rerender`` (a column value)."""
-        return f"note:{self.template}" if self.kind == "note" else self.kind
+        """``note:paper``, ``none``, ``rerender`` or ``edit:field_only`` (a column value)."""
+        return f"{self.kind}:{self.template}" if self.kind in ("note", "edit") else self.kind
 
 
 DEFAULT = Rendering("note", DEFAULT_TEMPLATE, "no policy: every change as an erratum turn (the paper's repair)")
@@ -70,7 +73,8 @@ def _note_template(strategy) -> str | None:
     return strategy.template if isinstance(strategy, ErratumTurn) else None
 
 
-def renderings(spec, policy=None, default: Rendering = DEFAULT, calibrated=()) -> dict[str, Rendering]:
+def renderings(spec, policy=None, default: Rendering = DEFAULT, calibrated=(), in_place: bool = False
+               ) -> dict[str, Rendering]:
     """Each field of ``spec`` -> its :class:`Rendering`, from a ``field_policy.yaml`` (a path or a
     loaded :class:`~kvprobe.field_policy.FieldPolicy`; None: ``default`` for every field).
 
@@ -81,9 +85,13 @@ def renderings(spec, policy=None, default: Rendering = DEFAULT, calibrated=()) -
     values have the same token ids: the model sees no change). ``erratum_turn`` is a note with its
     template. Anything else (``oracle``, a field not calibrated, a repair a server cannot do) is
     ``rerender``.
+
+    ``in_place``: for an engine that edits its own cache (:mod:`kvprobe.serving.llamacpp`), a field
+    whose established repair is ``field_only`` or ``selective`` is ``edit`` (its ``template`` the
+    repair's spec), whatever the field's relevance: the calibration established that very repair.
     """
     from kvprobe import field_policy
-    from kvprobe.editor.strategies import parse_strategy
+    from kvprobe.editor.strategies import FieldOnly, Selective, parse_strategy
 
     if policy is None:
         return {name: default for name in spec.fields}
@@ -110,6 +118,10 @@ def renderings(spec, policy=None, default: Rendering = DEFAULT, calibrated=()) -
                                                                                              "prefix)"))
             continue
         note = None if repair == policy.default else _note_template(parse_strategy(repair))
+        if in_place and repair != policy.default and isinstance(parse_strategy(repair), (FieldOnly, Selective)):
+            out[name] = Rendering("edit", repair, f"{name}: {repair} {f.get('verdict')} ({f.get('reason')}): "
+                                                  f"repaired in the engine's cache")
+            continue
         if note is not None:
             out[name] = Rendering("note", note, f"{name}: {repair} {f.get('verdict')} ({f.get('reason')})")
             continue
@@ -185,6 +197,9 @@ class PromptState:
             raise UsageError(f"no field {unknown[0]!r} in the template; its fields: {', '.join(self.values)}")
         _check_values(changes, "new value")
         self.values.update(changes)
+        for n in changes:
+            if self.rendering[n].kind == "edit":  # the engine's cache is edited: its prefix holds the new value
+                self.prefix[n] = changes[n]
         if any(self.rendering[n].kind == "rerender" for n in changes):
             self.prefix = dict(self.values)
             self.rewrites += 1
@@ -213,6 +228,16 @@ class PromptState:
                         values={k: v for k, v in self.prefix.items() if k != first}, question=self.spec.question,
                         options=list(self.spec.options))
 
+    def edit_case(self, name: str, old: str):
+        """The ``EditCase`` of an in-place edit of field ``name`` from ``old`` to its prefix value, the
+        other fields at theirs: kvprobe's alignment of it gives the field's token span in the prompt."""
+        from kvprobe.datasets import EditCase
+
+        return EditCase(case_id=f"prompt-state:{name}", domain="user", field=name, old_value=old,
+                        new_value=self.prefix[name], template=self.spec.template, system=self.spec.system,
+                        values={k: v for k, v in self.prefix.items() if k != name}, question=self.spec.question,
+                        options=list(self.spec.options))
+
     def messages(self) -> list[dict[str, str]]:
         """The chat messages for the current state (the prefix's messages first, byte-identical from
         request to request until a ``rerender`` update rewrites it)."""
@@ -224,13 +249,17 @@ class PromptState:
         head = [{"role": "system", "content": self.spec.system}] if self.spec.system else []
         return head + [{"role": role, "content": text} for role, text in turns]
 
-    def ids(self, tokenizer) -> list[int]:
-        """The token ids of :meth:`messages` as kvprobe renders them (its chat form, as measured)."""
+    def text(self, tokenizer) -> str:
+        """:meth:`messages` rendered by ``tokenizer``'s chat template, as kvprobe renders its chat form."""
         from kvprobe.datasets import render_prompt
-        from kvprobe.datasets.spans import prompt_ids
 
         case = self._case()
         notes = self._notes(case)
-        text = render_prompt(case, tokenizer, case.old_value, "chat", erratum="\n".join(notes) or None,
+        return render_prompt(case, tokenizer, case.old_value, "chat", erratum="\n".join(notes) or None,
                              erratum_at="turn")
-        return prompt_ids(tokenizer, text, "chat")
+
+    def ids(self, tokenizer) -> list[int]:
+        """The token ids of :meth:`messages` as kvprobe renders them (its chat form, as measured)."""
+        from kvprobe.datasets.spans import prompt_ids
+
+        return prompt_ids(tokenizer, self.text(tokenizer), "chat")

@@ -10,7 +10,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvprobe.errors import UsageError
+from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.serving.prompts import fit_clauses
 from kvprobe.serving.state import DEFAULT, PromptState, Rendering, renderings
 
@@ -66,6 +66,33 @@ class Turn:
     value: str
 
 
+def agent_policy(cfg, spec, tokenizer):
+    """The agent workload's field policy (``cfg.field_policy``, None without one), checked: a
+    ``field_policy.yaml`` of this template (its fields) and of ``cfg.model`` (its tokenizer; its name
+    too, when bundled: the served weights are not loaded here, so a local folder is trusted on them)."""
+    from kvprobe.editor.strategies import parse_strategy
+    from kvprobe.field_policy import FieldPolicy, load_any
+    from kvprobe.models import bundled
+    from kvprobe.models.load import tokenizer_hash
+
+    if cfg.field_policy is None:
+        return None
+    policy = load_any(Path(cfg.field_policy), None, parse_strategy)
+    if not isinstance(policy, FieldPolicy):
+        raise KvprobeError(f"{cfg.field_policy} is a top-K policy (topk.yaml); the agent workload needs a "
+                           f"field_policy.yaml from `kvprobe calibrate` of {cfg.spec}")
+    calibrated = set(policy.fields)
+    if not calibrated & set(spec.fields):
+        raise KvprobeError(f"{cfg.field_policy} calibrated {', '.join(sorted(calibrated))}, none of the "
+                           f"fields of {cfg.spec} ({', '.join(spec.fields)}); calibrate this template")
+    stored = policy.model.get("spec")
+    if (cfg.model in bundled.BUNDLED and stored != cfg.model) or \
+            policy.model.get("tokenizer_hash") != tokenizer_hash(tokenizer):
+        raise KvprobeError(f"{cfg.field_policy} was calibrated for {stored}, not {cfg.model} (its name "
+                           f"or tokenizer differs); calibrate this model")
+    return policy
+
+
 def gating_fields(spec, policy, gating: list[str] | None) -> list[str]:
     """The fields whose updates are gating: ``gating`` as given, else those the field policy measured
     as moving the decision (relevance ``gating`` or ``mixed``)."""
@@ -100,8 +127,9 @@ def workload(spec, gating: list[str], sessions: int, turns: int, gating_share: f
 
 
 def arm_renderings(arm: str, spec, policy, calibrated=()) -> dict[str, Rendering]:
-    """Each field's rendering in ``arm``; the policy arm's from ``policy``, which must be of ``spec``
-    or of one of ``calibrated`` (the unpadded spec)."""
+    """Each field's rendering in ``arm``; the policy arms' from ``policy``, which must be of ``spec``
+    or of one of ``calibrated`` (the unpadded spec). ``policy+edit`` (an engine that edits its own
+    cache) repairs a field whose established repair is field_only or selective in place."""
     if arm == "rerender":
         return {n: Rendering("rerender", reason="the reference: every value in place") for n in spec.fields}
     if arm == "erratum":
@@ -109,7 +137,7 @@ def arm_renderings(arm: str, spec, policy, calibrated=()) -> dict[str, Rendering
     if policy is None:
         raise UsageError("the policy arm needs a per-field policy: give --field-policy FIELD_POLICY.YAML "
                          "(from `kvprobe calibrate`), or leave the arm out")
-    return renderings(spec, policy, calibrated=calibrated)
+    return renderings(spec, policy, calibrated=calibrated, in_place=arm == "policy+edit")
 
 
 def answer_ids(tokenizer, options: list[str]) -> dict[str, list[int]]:
