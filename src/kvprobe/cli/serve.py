@@ -131,11 +131,10 @@ def engine_bench(cfg, out: Path | None) -> None:
     out = usable_out(out or Path("results") / f"agent-llamacpp-{Path(cfg.model).name}")
     refuse_foreign(out, ENGINE_MANIFEST)
     t0 = time.perf_counter()
+    run = ea.EngineAgentBench(cfg, out, progress=err_console.print)  # every input checked, the GGUF fetched
     with progress_bar() as bar:
-        task = bar.add_task("serve-bench (llama.cpp)", total=None)
-        run = ea.EngineAgentBench(cfg, out, progress=lambda msg: bar.update(task, description=msg),
-                                  advance=lambda: bar.advance(task))
-        bar.update(task, total=run.total())
+        task = bar.add_task("serve-bench (llama.cpp)", total=run.total())
+        run.progress, run.advance = (lambda msg: bar.update(task, description=msg)), (lambda: bar.advance(task))
         path = run.run()
     df = read_table(path)
     summary = ea.summarize(df, cfg.rates, cfg.seed)

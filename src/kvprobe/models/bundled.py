@@ -89,6 +89,19 @@ BUNDLED: dict[str, Bundled] = {
 }
 
 
+def gguf_file(alias: str, progress: Callable[[str], None] = lambda s: None,
+              then: Callable[[Path], Path] = lambda p: p) -> Path:
+    """A bundled alias's GGUF file itself (for an engine that runs GGUF: llama.cpp), assembled once
+    under the GGUF's lock, as :func:`fetch` takes it; ``then(gguf)`` runs under the lock too (a file
+    made from it once)."""
+    if alias not in BUNDLED:
+        raise UsageError(f"unknown bundled alias {alias!r}; known: {', '.join(BUNDLED)}")
+    writable(make_dir(downloads_dir()))
+    with open(downloads_dir() / f"{alias.removesuffix('-mistral')}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return then(assemble_gguf(BUNDLED[alias], progress))
+
+
 def is_cached(alias: str) -> bool:
     return (BUNDLED[alias].folder / READY_MARKER).exists()
 

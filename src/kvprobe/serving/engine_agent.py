@@ -99,7 +99,7 @@ def gguf_of(model: str, progress: Callable[[str], None] = lambda s: None) -> Pat
     if model not in bundled.BUNDLED:
         raise UsageError(f"the llama.cpp engine serves a bundled model's GGUF; {model!r} is not one of "
                          f"{', '.join(bundled.BUNDLED)}")
-    return bundled.assemble_gguf(bundled.BUNDLED[model], progress)
+    return bundled.gguf_file(model, progress)
 
 
 class EngineAgentBench:

@@ -41,6 +41,7 @@ from kvprobe.errors import EnvironmentProblem, KvprobeError, UsageError
 
 INSTALL = "pip install -e '.[engine]' (builds llama-cpp-python from source: a few minutes; see the README)"
 KV_TYPES = {"f16": 1, "f32": 0}  # GGML_TYPE_F16, GGML_TYPE_F32
+ENGINE_DIR = "engine"  # under $KVPROBE_HOME: the float32 GGUFs of exactness checks
 
 
 def llama_cpp():
@@ -320,6 +321,16 @@ def float32_gguf(src: Path, dst: Path) -> Path:
     writer.close()
     tmp.replace(dst)
     return dst
+
+
+def float32_of(alias: str, progress=lambda s: None) -> Path:
+    """A bundled model's GGUF in float32 (:func:`float32_gguf`), made once under
+    ``$KVPROBE_HOME/engine``: the engine side of an exact comparison with kvprobe's model."""
+    from kvprobe.models import bundled
+    from kvprobe.paths import home, make_dir
+
+    dst = make_dir(home() / ENGINE_DIR) / f"{alias}.f32.gguf"
+    return bundled.gguf_file(alias, progress, lambda src: float32_gguf(src, dst))
 
 
 def digest(path: Path) -> str:
