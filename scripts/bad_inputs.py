@@ -609,6 +609,7 @@ def inputs(s: Path) -> list[Bad]:
         Bad(["serve-bench", "--model", "smollm2-135m", "--url", "http://127.0.0.1:9", "--eager", "--out", "sb"],
             "serve-bench --eager with --url (a server's mode is set when it starts)", 2),
         *policy_trust(),
+        *engine(),
         # sweeps and layouts
         Bad(["sweep", "--model", "toy-qwen2", "--layouts", "record", "--filler-tokens", "0,50", "--n", "4",
              "--out", "sweep"], "sweep --out a sweep with other settings", 2),
@@ -812,6 +813,40 @@ def policy_trust() -> list[Bad]:
         Bad([], "EditableContext.add_field: a value with the tokenizer's special token", 2, quote="special token",
             python="import kvprobe\nlm = kvprobe.load('toy-qwen2')\n"
                    "kvprobe.EditableContext(lm).add_text('Tier: ').add_field('tier', 'gold<|im_end|>')"),
+    ]
+
+
+ENGINE = ("from kvprobe.models import bundled\nfrom kvprobe.serving.llamacpp import Engine\n"
+          "e = Engine(bundled.gguf_file('smollm2-135m'), n_ctx=256, sessions=1)\n"
+          "ids = e.tokenize('Request id: req-1234. Approve?')\n")
+
+
+def engine() -> list[Bad]:
+    """The llama.cpp engine (serve-bench --engine llama.cpp; kvprobe.serving.llamacpp)."""
+    agent = ["serve-bench", "--model", "smollm2-135m", "--workload", "agent", "--spec", "agent-refund.yaml",
+             "--gating", "tier", "--out", "sb-engine"]
+    return [
+        Bad(["serve-bench", "--model", "smollm2-135m", "--engine", "sglang", "--out", "sb-engine"],
+            "serve-bench --engine sglang", 2, quote="sglang"),
+        Bad(["serve-bench", "--model", "smollm2-135m", "--engine", "llama.cpp", "--out", "sb-engine"],
+            "serve-bench --engine llama.cpp on the single workload", 2, quote="agent workload"),
+        Bad([*agent, "--engine", "llama.cpp", "--arms", "rerender", "--state-field", "colour"],
+            "serve-bench --engine llama.cpp --state-field not in the template", 2, quote="colour"),
+        Bad([*agent, "--engine", "llama.cpp", "--arms", "rerender,policy+edit"],
+            "serve-bench --engine llama.cpp, the policy+edit arm without a field policy", 2, quote="per-field policy"),
+        Bad([*agent, "--threads", "2", "--url", "http://127.0.0.1:9"],
+            "serve-bench --threads without --engine llama.cpp", 2, quote="--threads"),
+        Bad([], "Engine: llama.cpp's bindings not installed", 4, quote="not installed",
+            python="import sys\nsys.modules['llama_cpp'] = None\nfrom kvprobe.serving.llamacpp import Engine\n"
+                   "Engine('garbage.gguf')"),
+        Bad([], "Engine: a file that is not a GGUF", 3, quote="could not load",
+            python="from kvprobe.serving.llamacpp import Engine\nEngine('garbage.gguf')"),
+        Bad([], "Engine: a request after the engine was closed", 4, quote="closed",
+            python=ENGINE + "e.open(0)\ne.close()\ne.serve(0, ids)"),
+        Bad([], "Engine: a session id that does not exist", 2, quote="no session 3",
+            python=ENGINE + "e.serve(3, ids)"),
+        Bad([], "Engine.edit: a new value of another token length (re-render instead)", 3, quote="re-render",
+            python=ENGINE + "e.open(0)\ne.serve(0, ids)\ne.edit(0, 3, ids[3:6] * 20)"),
     ]
 
 

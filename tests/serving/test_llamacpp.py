@@ -186,3 +186,18 @@ def test_engine_cli_errors_are_one_line(tmp_path, args, needles):
     from tests.serving.test_serving_unit import kvprobe, one_line_error
 
     one_line_error(kvprobe("serve-bench", "--model", MODEL, "--out", str(tmp_path / "out"), *args), *needles)
+
+
+def test_policy_edit_renders_the_calibrated_in_cache_repairs_as_edits():
+    """On the calibrated agent template, policy+edit edits the two inert fields in place (their
+    established repair is field_only) and keeps the gating field's note; the server's policy arm
+    sends nothing for them, and a field the policy did not calibrate is re-rendered in both."""
+    from kvprobe.calibrate.spec import load_spec
+    from kvprobe.serving.workload import arm_renderings
+
+    spec = load_spec(AGENT_SPEC)
+    policy = ROOT / "examples" / "policies" / "qwen2.5-1.5b-agent-refund.yaml"
+    edit = {n: r.label for n, r in arm_renderings("policy+edit", spec, policy).items()}
+    served = {n: r.label for n, r in arm_renderings("policy", spec, policy).items()}
+    assert edit == {"request_id": "edit:field_only", "received": "edit:field_only", "tier": "note:neutral"}
+    assert served == {"request_id": "none", "received": "none", "tier": "note:neutral"}

@@ -178,14 +178,20 @@ NO_VERDICT = "no verdict within 2 pairs"
 # rotation by tests/kv/test_rope.py.
 CALIBRATE_DTYPE = {"--dtype": "bfloat16" if native_bf16() else "float32"}
 
+ENGINE_1_5B = ("the 1.5B on llama.cpp, 4 arms x 100 turns: about 15 minutes; tests/serving/test_llamacpp.py runs "
+               "the policy+edit arm and its state check on smollm2-135m's GGUF")
+EXACTNESS = ("the exactness table: tests/serving/test_llamacpp.py checks the same comparisons on smollm2-135m's "
+             "float32 GGUF")
+
 # Keyed by the command as :func:`commands` writes it. A kvprobe command not here runs as written.
 PLAN: dict[str, Run | Swap | Parse] = {
     # README.md
     "python3 -m venv .venv && .venv/bin/pip install -q -e '.[test]' && .venv/bin/kvprobe run":
         Parse("sets a fresh machine up: this environment is that one; `kvprobe run` runs in `## kvprobe run`"),
     "(command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "
-    "chromium)) && python3 scripts/cpu.py && python3 -m venv .venv && .venv/bin/pip install -q "
-    "--no-compile -e '.[test,crosscheck]' && PYTHONDONTWRITEBYTECODE= .venv/bin/pytest -q -n 2 --dist worksteal --durations=15":
+    "chromium)) && python3 scripts/cpu.py && python3 -m venv .venv && CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF\" "
+    ".venv/bin/pip install -q --no-compile -e '.[test,crosscheck,engine]' && PYTHONDONTWRITEBYTECODE= .venv/bin/pytest "
+    "-q -n 2 --dist worksteal --durations=15":
         Parse("is the test suite itself (.ci/run), on a fresh machine"),
     "kvprobe models fetch smollm2-135m": Run("cached after the first fetch: a sha256 check"),
     "kvprobe run": Swap("sized by its rule: 222 cases, 30-60 s", set=SMALL_RUN),
@@ -292,6 +298,15 @@ PLAN: dict[str, Run | Swap | Parse] = {
     "kvprobe serve-bench --workload agent --model qwen2.5-1.5b --spec examples/agent-refund.yaml "
     "--field-policy examples/policies/qwen2.5-1.5b-agent-refund.yaml --sessions 10 --turns 4 --rates 0.2,inf":
         Parse(VLLM),
+    "CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF\" .venv/bin/pip install -e '.[engine]'":
+        Parse("installs the extra; the test command installed it here"),
+    "kvprobe serve-bench --workload agent --engine llama.cpp --model qwen2.5-1.5b --spec examples/agent-refund.yaml "
+    "--field-policy examples/policies/qwen2.5-1.5b-agent-refund.yaml --sessions 10 --turns 10 --policy-tokens 0 "
+    "--threads 2 --rates 0.2,inf --out results/agent-llamacpp-qwen2.5-1.5b":
+        Parse(ENGINE_1_5B),
+    "python scripts/engine_exactness.py --model smollm2-135m --n 6": Parse(EXACTNESS),
+    "python scripts/engine_exactness.py --model qwen2.5-0.5b --n 6": Parse(EXACTNESS),
+    "python scripts/engine_exactness.py --model smollm2-135m --n 6 --precision served": Parse(EXACTNESS),
     "kvprobe serve-bench --model smollm2-135m --out BEFORE": Parse(VLLM),
     "kvprobe serve-bench --model smollm2-135m --out AFTER": Parse(VLLM),
     "python scripts/serving_same_rows.py BEFORE AFTER": Parse("compares the two serve-bench folders above"),
@@ -455,7 +470,7 @@ def table() -> list[tuple[Block, str, str, str]]:
 
 
 # Counted by hand from the docs: a new block or command changes them, and the table says where.
-EXPECTED = {"ran as written": 28, "swapped": 44, "parsed only": 29, "delegated": 3, "not a command": 10}
+EXPECTED = {"ran as written": 28, "swapped": 44, "parsed only": 34, "delegated": 3, "not a command": 10}
 
 
 def test_every_block_is_classified_and_counted():

@@ -156,6 +156,13 @@ def engine_bench(cfg, out: Path | None) -> None:
                       str(r.fallbacks), "reference" if ref else share(r, "gating"),
                       "reference" if ref else share(r, "inert"), share(r, "state"))
     console.print(table)
+    for column, what in (("turn", "updates so far in the session"), ("check_updates", f"updates of {run.check_field}")):
+        t = Table(title=f"by {what}")
+        for col in ("arm", "updates", "agree with rerender [95% CI]", f"state ({run.check_field}) [95% CI]"):
+            t.add_column(col, justify="right")
+        for r in ea.by_updates(df, column).itertuples():
+            t.add_row(r.arm, r.updates, share(r, "agree"), share(r, "state"))
+        console.print(t)
     console.print("one llama.cpp slot: each request's service time measured once, queued first come first served "
                   "at each rate's Poisson arrivals; state: the check's answer holds the field's current value "
                   "(checks after at least one update of it)")
@@ -224,6 +231,8 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
                 engine: str = typer.Option("vllm", help="vllm (a server), or llama.cpp: the agent workload in this "
                                                         "process, with the policy+edit arm (docs/serving.md)"),
                 threads: int = typer.Option(1, min=1, help="llama.cpp: threads for the model"),
+                gpu_layers: int = typer.Option(0, min=-1, help="llama.cpp: layers on a GPU (a CUDA build of "
+                                                               "llama-cpp-python; -1: all)"),
                 state_field: str | None = typer.Option(None, help="llama.cpp: the inert field the state check asks "
                                                                   "for [request_id, else the first inert field]"),
                 seed: int = 0) -> None:
@@ -244,8 +253,10 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
         raise UsageError(f"unknown workload {workload!r}; accepted: single, agent")
     if engine not in ENGINES:
         raise UsageError(f"unknown engine {engine!r}; accepted: {', '.join(ENGINES)}")
-    if engine == "vllm" and (state_field is not None or threads != 1):
-        raise UsageError(f"--{'state-field' if state_field is not None else 'threads'} applies to --engine llama.cpp")
+    engine_only = [k for k, v in (("state-field", state_field is not None), ("threads", threads != 1),
+                                  ("gpu-layers", gpu_layers != 0)) if v]
+    if engine == "vllm" and engine_only:
+        raise UsageError(f"--{engine_only[0]} applies to --engine llama.cpp")
     foreign = [k for k in (SINGLE_ONLY if workload == "agent" else AGENT_ONLY) if k in given]
     if foreign:
         raise UsageError(f"--{foreign[0].replace('_', '-')} does not apply to the {workload} workload; "
@@ -266,7 +277,8 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
                          gating=opt.parse_csv(gating) if gating else None,
                          arms=opt.parse_csv(arms) if arms else list(default_arms), policy_tokens=policy_tokens,
                          max_s=max_s or 600.0, seed=seed,
-                         **(dict(threads=threads, state_field=state_field) if on_engine else {}))
+                         **(dict(threads=threads, state_field=state_field, gpu_layers=gpu_layers) if on_engine
+                            else {}))
             from kvprobe.calibrate.spec import load_spec
 
             base = load_spec(spec)  # a bad template fails before any server starts

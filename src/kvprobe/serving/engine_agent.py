@@ -75,6 +75,7 @@ class EngineAgentConfig(AgentConfig):
     arms: list[str] = list(ARMS)
     policy_tokens: int = 0
     threads: int = Field(1, ge=1, le=256)
+    gpu_layers: int = Field(0, ge=-1)  # llama.cpp layers on a GPU (a CUDA build; -1: all)
     kv: str = "f16"
     state_field: str | None = None
     answer_tokens: int = Field(24, ge=1, le=256)
@@ -150,7 +151,7 @@ class EngineAgentBench:
             per = 2 * prompt + 64 * len(self.spec.fields) + self.cfg.answer_tokens  # the notes, the side request
             self.progress(f"llama.cpp: loading {self.gguf.name} ({self.cfg.sessions} sessions x {per} tokens)")
             self._engine = Engine(self.gguf, n_ctx=per * (self.cfg.sessions + 1), sessions=self.cfg.sessions,
-                                  threads=self.cfg.threads, kv=self.cfg.kv)
+                                  threads=self.cfg.threads, kv=self.cfg.kv, gpu_layers=self.cfg.gpu_layers)
         return self._engine
 
     def starts(self):
@@ -256,6 +257,7 @@ class EngineAgentBench:
         for s, st in enumerate(states):  # each session's starting prompt: its cached prefix (untimed)
             e.open(s)
             e.serve(s, self._ids(st.text(self.tok), f"session {s}'s prompt"))
+        self.progress(f"llama.cpp, arm {arm}: {len(turns)} turns of {len(states)} sessions")
         ref = {} if reference is None else {(s, t): x for s, t, x in
                                              zip(reference["session"], reference["turn"], reference["answer"])}
         updates = [0] * len(states)
@@ -341,15 +343,16 @@ def summarize(df: pd.DataFrame, rates: list[float], seed: int = 0) -> pd.DataFra
     return pd.DataFrame(out)
 
 
-def by_updates(df: pd.DataFrame) -> pd.DataFrame:
-    """Per arm and bucket of updates so far in the session (the turn: 1, 2-3, 4-10, >10): decision
-    agreement and state correctness (checks after at least one update of the field), with intervals."""
+def by_updates(df: pd.DataFrame, column: str = "turn") -> pd.DataFrame:
+    """Per arm and bucket of updates so far (``turn``: the session's updates, 1, 2-3, 4-10, >10;
+    ``check_updates``: the checked field's own): decision agreement with rerender and state
+    correctness (checks after at least one update of the field), with Wilson 95% intervals."""
     from kvprobe.intervals import wilson
 
     out = []
     for arm, g in _arms(df):
         for label, lo, hi in BUCKETS:
-            b = g[(g["turn"] >= lo) & (g["turn"] <= hi)]
+            b = g[(g[column] >= lo) & (g[column] <= hi)]
             if b.empty:
                 continue
             agree = b["agree"].dropna()

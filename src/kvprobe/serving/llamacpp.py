@@ -67,11 +67,12 @@ class Engine:
     ``kv``: the cache's element type (llama.cpp's default ``f16``; ``f32`` for exactness checks);
     ``flash_attn``: None lets llama.cpp choose (on this CPU it takes its flash-attention kernel, which
     rounds through float16 even with a float32 cache: about 1e-2 on smollm2-135m's logits); False,
-    with ``kv="f32"``, computes attention in float32 (2e-5 to 3e-5 from kvprobe's float32 reads).
+    with ``kv="f32"``, computes attention in float32 (2e-5 to 3e-5 from kvprobe's float32 reads);
+    ``gpu_layers``: layers offloaded to a GPU (a CUDA build of llama-cpp-python; 0 on a CPU build).
     """
 
     def __init__(self, gguf: Path | str, *, n_ctx: int = 4096, sessions: int = 8, threads: int = 1,
-                 kv: str = "f16", flash_attn: bool | None = None, n_batch: int = 512):
+                 kv: str = "f16", flash_attn: bool | None = None, gpu_layers: int = 0, n_batch: int = 512):
         lib = llama_cpp()
         if kv not in KV_TYPES:
             raise UsageError(f"bad KV cache type {kv!r}; accepted: {', '.join(KV_TYPES)}")
@@ -84,6 +85,7 @@ class Engine:
         lib.llama_log_set(self._log, ctypes.c_void_p(0))
         lib.llama_backend_init()
         mp = lib.llama_model_default_params()
+        mp.n_gpu_layers = gpu_layers  # 0: the CPU; -1 or more than the model has: every layer (a CUDA build)
         self.model = lib.llama_model_load_from_file(str(gguf).encode(), mp)
         if not self.model:
             raise KvprobeError(f"llama.cpp could not load {gguf}: {self._last_error()}")
@@ -122,6 +124,7 @@ class Engine:
             self.lib.llama_free(self.ctx)
             self.lib.llama_model_free(self.model)
             self.ctx = None
+            self._held.clear()
 
     def __enter__(self):
         return self
@@ -131,6 +134,7 @@ class Engine:
 
     def tokenize(self, text: str) -> list[int]:
         """The engine's token ids of ``text``: special tokens parsed (a chat template's own), none added."""
+        self._live()
         data = text.encode()
         buf = (self.lib.llama_token * (len(data) + 8))()
         n = self.lib.llama_tokenize(self.vocab, data, len(data), buf, len(buf), False, True)
@@ -146,7 +150,13 @@ class Engine:
     def is_end(self, token: int) -> bool:
         return bool(self.lib.llama_vocab_is_eog(self.vocab, token))
 
+    def _live(self) -> None:
+        if not self.ctx:
+            raise EnvironmentProblem(f"the llama.cpp engine for {self.path.name} is closed (its sessions went with "
+                                     f"it); start a new Engine")
+
     def _session(self, s: int) -> list[int]:
+        self._live()
         if s not in self._held:
             raise UsageError(f"no session {s} in the engine; open sessions: {sorted(self._held) or 'none'}")
         return self._held[s]
@@ -181,6 +191,7 @@ class Engine:
     # -- what a server does ----------------------------------------------------------------------
     def open(self, s: int) -> None:
         """Start session ``s`` empty (an open one is emptied)."""
+        self._live()
         if not 0 <= s < self.sessions:
             raise UsageError(f"session {s} out of range; this engine holds sessions 0..{self.sessions - 1}")
         self._drop(s)
@@ -258,14 +269,16 @@ class Engine:
         runs = _runs(list(range(start, end)) + later)
         scratch, shared = self.scratch, 0
         self._drop(scratch)
-        for p0, p1 in runs:
-            self.lib.llama_memory_seq_cp(self.mem, s, scratch, shared, p0)  # the kept cells in [shared, p0)
-            self._decode(scratch, ids[p0:p1], p0, logits=False)
-            shared = p1
-        self.lib.llama_memory_seq_cp(self.mem, s, scratch, shared, -1)
-        self._drop(s)
-        self.lib.llama_memory_seq_cp(self.mem, scratch, s, -1, -1)
-        self._drop(scratch)
+        try:  # the session is untouched until the scratch sequence holds the whole repaired prompt
+            for p0, p1 in runs:
+                self.lib.llama_memory_seq_cp(self.mem, s, scratch, shared, p0)  # the kept cells in [shared, p0)
+                self._decode(scratch, ids[p0:p1], p0, logits=False)
+                shared = p1
+            self.lib.llama_memory_seq_cp(self.mem, s, scratch, shared, -1)
+            self._drop(s)
+            self.lib.llama_memory_seq_cp(self.mem, scratch, s, -1, -1)
+        finally:
+            self._drop(scratch)
         held[:] = ids
         return sum(p1 - p0 for p0, p1 in runs)
 
