@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from kvprobe.errors import EnvironmentProblem, KvprobeError, UsageError
@@ -201,3 +202,24 @@ def test_policy_edit_renders_the_calibrated_in_cache_repairs_as_edits():
     served = {n: r.label for n, r in arm_renderings("policy", spec, policy).items()}
     assert edit == {"request_id": "edit:field_only", "received": "edit:field_only", "tier": "note:neutral"}
     assert served == {"request_id": "none", "received": "none", "tier": "note:neutral"}
+
+
+def test_a_finished_engine_run_resumes_without_recomputing(tmp_path):
+    """A second run on the same folder and inputs reads every finished arm back (the engine is never
+    loaded); another configuration on that folder is refused in one line."""
+    from kvprobe.serving.engine_agent import TABLE, EngineAgentBench, EngineAgentConfig
+
+    cfg = EngineAgentConfig(model=MODEL, spec=str(AGENT_SPEC), gating=["tier"], arms=["rerender", "erratum"],
+                            sessions=1, turns=2, policy_tokens=0, answer_tokens=4)
+    first = EngineAgentBench(cfg, tmp_path)
+    table = first.run()
+    first.engine.close()
+    rows = pd.read_parquet(table)
+    assert sorted(set(rows["arm"])) == ["erratum", "rerender"] and len(rows) == 4
+    assert (rows.loc[rows["arm"] == "erratum", "agree"].notna()).all()  # judged against the rerender arm
+    again = EngineAgentBench(cfg, tmp_path)
+    assert again.run() == table and again._engine is None
+    pd.testing.assert_frame_equal(pd.read_parquet(table), rows)
+    assert len(list((tmp_path / "parts" / TABLE).glob("*.parquet"))) == 2
+    with pytest.raises(UsageError, match="another configuration"):
+        EngineAgentBench(cfg.model_copy(update={"turns": 3}), tmp_path).run()

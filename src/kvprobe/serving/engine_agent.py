@@ -177,7 +177,10 @@ class EngineAgentBench:
                 "field_policy": policy}
 
     def manifest(self) -> dict:
+        from kvprobe.hardware import cpu_line
+
         return {"command": "serve-bench", "workload": "agent", "engine": ENGINE, "config": self.cfg.model_dump(),
+                "cpu": cpu_line(),
                 "gguf": str(self.gguf), "gating_fields": self.gating, "state_field": self.check_field,
                 "options": list(self.spec.options), "answer_ids": self.option_ids,
                 "policy_calibrated_on": self.calibrated_on,
@@ -192,10 +195,12 @@ class EngineAgentBench:
             if old.get("config") != self.cfg.model_dump():
                 raise UsageError(f"{self.out} holds an engine run with another configuration; give another --out "
                                  f"or remove {MANIFEST} and parts/{TABLE}/ there")
-            claim_identity(self.out, self.identity(), self.cfg.model)
+        identity = self.identity()
+        if path.exists():  # checked before anything in the folder is rewritten
+            claim_identity(self.out, identity, self.cfg.model)
         self.out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(self.manifest(), path)
-        claim_identity(self.out, self.identity(), self.cfg.model)
+        claim_identity(self.out, identity, self.cfg.model)
 
     def total(self) -> int:
         return len(self.cfg.arms) * self.cfg.sessions * self.cfg.turns
