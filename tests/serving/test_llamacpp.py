@@ -92,6 +92,9 @@ def _session_bookkeeping(e, InPlaceRefused, check_ids):
     assert e.edit(0, 5, new[5:7], also=[12, 14]) == 4 and e.ids(0) == new[:-1]
     assert e.edit(0, 5, ids[5:7], also=range(7, len(ids) - 1)) == len(ids) - 6  # everything from the field
     assert np.abs(e.read(0, ids[-1:]) - first).max() < TOL
+    with pytest.raises(KvprobeError, match="do not fit the engine's context of 512"):
+        e.serve(0, ids + ids[3:4] * 600)
+    assert e.ids(0) == ids[:-1] and np.abs(e.read(0, ids[-1:]) - first).max() < TOL  # as before the refusal
     with pytest.raises(InPlaceRefused, match="another token length"):
         e.edit(0, len(ids) - 3, ids[:5])
     with pytest.raises(UsageError, match="after the field"):

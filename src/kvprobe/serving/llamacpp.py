@@ -54,6 +54,27 @@ def llama_cpp():
     return module
 
 
+_LOG: list[str] = []  # llama.cpp's latest error and info lines: its log callback is one per process
+_ON_LOG = None  # the ctypes callback, kept for the life of the process (the C side holds only its pointer)
+
+
+def _capture_log(lib) -> None:
+    """Route llama.cpp's log into :data:`_LOG` (nothing printed), once per process."""
+    global _ON_LOG
+    if _ON_LOG is None:
+        def on_log(level, text, user_data) -> None:
+            if level in (2, 4):  # GGML_LOG_LEVEL_INFO (load failures say why there), _ERROR
+                _LOG.append(text.decode(errors="replace").strip())
+                del _LOG[:-20]
+
+        _ON_LOG = lib.llama_log_callback(on_log)
+        lib.llama_log_set(_ON_LOG, ctypes.c_void_p(0))
+
+
+def _last_error() -> str:
+    return next((e for e in reversed(_LOG) if e), "no message")
+
+
 class InPlaceRefused(KvprobeError):
     """An edit the engine cannot make in place (the caller re-renders instead)."""
 
@@ -80,15 +101,13 @@ class Engine:
         if not gguf.is_file():
             raise KvprobeError(f"no GGUF file at {gguf}")
         self.lib, self.path, self.sessions, self.n_batch = lib, gguf, sessions, n_batch
-        self._errors: list[str] = []
-        self._log = lib.llama_log_callback(self._on_log)  # kept: the C side holds only the pointer
-        lib.llama_log_set(self._log, ctypes.c_void_p(0))
+        _capture_log(lib)
         lib.llama_backend_init()
         mp = lib.llama_model_default_params()
         mp.n_gpu_layers = gpu_layers  # 0: the CPU; -1 or more than the model has: every layer (a CUDA build)
         self.model = lib.llama_model_load_from_file(str(gguf).encode(), mp)
         if not self.model:
-            raise KvprobeError(f"llama.cpp could not load {gguf}: {self._last_error()}")
+            raise KvprobeError(f"llama.cpp could not load {gguf}: {_last_error()}")
         cp = lib.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_batch, n_batch
         cp.n_seq_max, cp.kv_unified, cp.swa_full = sessions + 1, True, True
@@ -99,7 +118,7 @@ class Engine:
         self.ctx = lib.llama_init_from_model(self.model, cp)
         if not self.ctx:
             lib.llama_model_free(self.model)
-            raise KvprobeError(f"llama.cpp could not make a context for {gguf}: {self._last_error()}")
+            raise KvprobeError(f"llama.cpp could not make a context for {gguf}: {_last_error()}")
         self.n_ctx = lib.llama_n_ctx(self.ctx)
         self.mem = lib.llama_get_memory(self.ctx)
         self.vocab = lib.llama_model_get_vocab(self.model)
@@ -109,15 +128,6 @@ class Engine:
         self._held: dict[int, list[int]] = {}
 
     # -- plumbing ---------------------------------------------------------------------------------
-    def _on_log(self, level, text, user_data) -> None:
-        if level >= 4 or level == 2:  # GGML_LOG_LEVEL_ERROR (4), WARN (3) skipped, INFO (2) kept for load errors
-            self._errors.append(text.decode(errors="replace").strip())
-            del self._errors[:-20]
-
-    def _last_error(self) -> str:
-        errs = [e for e in self._errors if e]
-        return errs[-1] if errs else "no message"
-
     def close(self) -> None:
         if getattr(self, "ctx", None):
             self.lib.llama_batch_free(self.batch)
@@ -179,7 +189,7 @@ class Engine:
             rc = self.lib.llama_decode(self.ctx, b)
             if rc != 0:
                 raise KvprobeError(f"llama.cpp refused a batch of {len(chunk)} tokens at position {start + at} "
-                                   f"(llama_decode returned {rc}): {self._last_error()}")
+                                   f"(llama_decode returned {rc}): {_last_error()}")
         if logits:
             ptr = self.lib.llama_get_logits_ith(self.ctx, -1)
             out = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
@@ -211,7 +221,11 @@ class Engine:
         keep = min(keep, len(ids) - 1)
         self._drop(s, keep)
         del held[keep:]
-        logits = self._decode(s, ids[keep:], keep, logits=True)
+        try:
+            logits = self._decode(s, ids[keep:], keep, logits=True)
+        except BaseException:  # a refused batch or an interrupt: the session holds the shared prefix only
+            self._drop(s, keep)
+            raise
         held.extend(ids[keep:])
         return logits, len(ids) - keep
 
@@ -230,6 +244,8 @@ class Engine:
         reused, the rest decoded in the scratch sequence, and the session is left as it was.
         Returns (the tokens, the prompt tokens computed)."""
         held = self._session(s)
+        if not ids:
+            raise UsageError("an empty prompt has nothing to answer")
         keep = next((i for i, (x, y) in enumerate(zip(held, ids)) if x != y), min(len(held), len(ids)))
         keep = min(keep, len(ids) - 1)
         scratch, out = self.scratch, []
