@@ -182,6 +182,8 @@ def test_a_value_of_another_length_is_re_rendered(agent_bench):
     (["--workload", "agent", "--spec", str(AGENT_SPEC), "--gating", "tier", "--threads", "2"],
      ["--threads applies to --engine llama.cpp"]),
     (["--workload", "agent", "--spec", str(AGENT_SPEC), "--gating", "tier", "--engine", "llama.cpp",
+      "--max-s", "30"], ["--max-s applies to --engine vllm"]),
+    (["--workload", "agent", "--spec", str(AGENT_SPEC), "--gating", "tier", "--engine", "llama.cpp",
       "--arms", "rerender,policy+edit"], ["policy arm needs a per-field policy"]),
     (["--workload", "agent", "--spec", str(AGENT_SPEC), "--gating", "tier", "--engine", "llama.cpp",
       "--arms", "rerender,erratum", "--state-field", "colour"], ["--state-field must name a field", "request_id"]),

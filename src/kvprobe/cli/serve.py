@@ -115,6 +115,7 @@ def print_summary(summary, ratios, title: str) -> None:
 
 
 AGENT_ONLY = ("spec", "field_policy", "sessions", "turns", "gating_share", "gating")
+SINGLE_ONLY = ("n", "domain", "erratum_template")
 ENGINES = ("vllm", "llama.cpp")
 
 
@@ -167,7 +168,6 @@ def engine_bench(cfg, out: Path | None) -> None:
                   "at each rate's Poisson arrivals; state: the check's answer holds the field's current value "
                   "(checks after at least one update of it)")
     console.print(f"wrote {path}")
-SINGLE_ONLY = ("n", "domain", "erratum_template")
 
 
 def print_agent_summary(summary, title: str) -> None:
@@ -301,6 +301,9 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
         if workload != "agent" or url is not None or eager:
             raise UsageError("--engine llama.cpp runs the agent workload in this process: give --workload agent, "
                              "and no --url or --eager")
+        if max_s is not None:
+            raise UsageError("--max-s applies to --engine vllm; llama.cpp serves every request of a run (its "
+                             "queueing is replayed from the measured service times)")
         return engine_bench(cfg, out)
     bench.check_model(model)  # so does an unknown model
     prefix = "agent" if workload == "agent" else "serving"
