@@ -11,10 +11,13 @@ and once in kvprobe; each repair is then made in both, and the decision token re
                    rest decoded) against a fresh prefill of it in the engine, and kvprobe's oracle
 
 A no-op edit writes the old value's tokens back over the field: the engine's read must be its own
-stale read's. Every engine read is compared with kvprobe's read of the same repair (``max |dlogit|``
-over the vocabulary, and the decision over the case's options); the ``floor`` row is the two
-prefills' difference, what the engine's precision allows at all (float32 weights and cache give
-about 1e-4; the bundled quantised GGUFs with llama.cpp's float16 cache, far more).
+prefill's of the old prompt; so must an edit of every position from the field on, of the new one.
+Every other engine read is compared with kvprobe's read of the same repair (``max |dlogit|`` over the
+vocabulary, and the decision over the case's options); the ``floor`` row is the two prefills'
+difference, what the precision allows at all (float32 weights and cache with attention in float32:
+2e-5 to 3e-5; the bundled quantised GGUFs with llama.cpp's float16 cache: up to about 1 logit).
+The ``what the repair leaves`` row (kvprobe's field_only against its oracle) is the size of the
+differences the comparison must tell apart.
 """
 
 from __future__ import annotations
