@@ -35,7 +35,6 @@ The workload itself (the template, the sessions and turns, each arm's renderings
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -50,7 +49,7 @@ from kvprobe.serving.bench import ServerRun
 from kvprobe.serving.client import Completion, decide, stream_chat
 from kvprobe.serving.state import PromptState
 from kvprobe.serving.workload import (Turn, agent_policy, answer_ids, arm_renderings, first_values, gating_fields,
-                                      padded_spec, policy_template, spec_yaml, workload)
+                                      padded_spec, policy_digest, policy_template, spec_yaml, workload)
 
 TABLE = "agent"
 AGENT = "agent.parquet"
@@ -129,9 +128,8 @@ class AgentBench(ServerRun):
     # -- bookkeeping ---------------------------------------------------------------------------
     def identity(self) -> dict:
         """:meth:`base_identity`, and the served template and the field policy, by content."""
-        policy = hashlib.sha256(Path(self.cfg.field_policy).read_bytes()).hexdigest()[:16] \
-            if self.cfg.field_policy else None
-        return {**self.base_identity(), "spec": self.spec.digest(), "field_policy": policy}
+        return {**self.base_identity(), "spec": self.spec.digest(),
+                "field_policy": policy_digest(self.cfg.field_policy)}
 
     def manifest(self) -> dict:
         state = PromptState(self.spec, first_values(self.spec))

@@ -35,7 +35,6 @@ Output: ``parts/engine_agent/<arm>.parquet`` as each arm finishes (an arm is nev
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from collections.abc import Callable
@@ -53,7 +52,7 @@ from kvprobe.serving.agent import KINDS, AgentConfig
 from kvprobe.serving.llamacpp import KV_TYPES, Engine, InPlaceRefused, check_ids
 from kvprobe.serving.state import PromptState
 from kvprobe.serving.workload import (agent_policy, answer_ids, arm_renderings, first_values, gating_fields,
-                                      padded_spec, policy_template, workload)
+                                      padded_spec, policy_digest, policy_template, workload)
 
 ARMS = ("rerender", "erratum", "policy", "policy+edit")
 REFERENCE = "rerender"
@@ -165,14 +164,15 @@ class EngineAgentBench:
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def identity(self) -> dict:
+        """What the rows are computed from: the GGUF (its sha256, verified when it was assembled), the
+        tokenizer, the engine's version, the served template and the field policy, by content."""
         from importlib.metadata import version
 
+        from kvprobe.models import bundled
         from kvprobe.models.load import tokenizer_hash
-        from kvprobe.serving.llamacpp import digest
 
-        policy = hashlib.sha256(Path(self.cfg.field_policy).read_bytes()).hexdigest()[:16] \
-            if self.cfg.field_policy else None
-        return {"gguf_sha256": digest(self.gguf), "tokenizer_hash": tokenizer_hash(self.tok),
+        policy = policy_digest(self.cfg.field_policy)
+        return {"gguf_sha256": bundled.BUNDLED[self.cfg.model].sha256, "tokenizer_hash": tokenizer_hash(self.tok),
                 "engine": f"{ENGINE} (llama-cpp-python {version('llama-cpp-python')})", "spec": self.spec.digest(),
                 "field_policy": policy}
 
@@ -257,9 +257,14 @@ class EngineAgentBench:
         return self.engine.edit(s, f0, a.ids_new[f0:f1], also)
 
     def _decide(self, logits: np.ndarray) -> tuple[str, float]:
-        scores = {o: float(max(logits[i] for i in ids)) for o, ids in self.option_ids.items()}
+        """(the option scored higher, the first one on a tie; first minus second option score)."""
+        import torch
+
+        from kvprobe.kv.readout import option_scores
+
         a, b = self.spec.options
-        return (a if scores[a] >= scores[b] else b), scores[a] - scores[b]
+        sa, sb = option_scores(torch.from_numpy(logits), self.option_ids, [a, b]).tolist()
+        return (a if sa >= sb else b), sa - sb
 
     def run_arm(self, arm: str, starts, turns, reference: pd.DataFrame | None) -> pd.DataFrame:
         e, rend = self.engine, self.rendering[arm]

@@ -31,7 +31,6 @@ Token ids come from the engine's own tokenizer; :func:`check_ids` holds them aga
 from __future__ import annotations
 
 import ctypes
-import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -360,12 +359,3 @@ def float32_of(alias: str, progress=lambda s: None) -> Path:
 
     dst = make_dir(home() / ENGINE_DIR) / f"{alias}.f32.gguf"
     return bundled.gguf_file(alias, progress, lambda src: float32_gguf(src, dst))
-
-
-def digest(path: Path) -> str:
-    """The sha256 of a GGUF file (the engine's weights, for a results folder's claim)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()

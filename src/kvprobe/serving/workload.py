@@ -151,6 +151,13 @@ def answer_ids(tokenizer, options: list[str]) -> dict[str, list[int]]:
             for o in options}
 
 
+def policy_digest(policy_path: str | None) -> str | None:
+    """A field policy file's content hash (16 hex digits) for a results folder's claim; None without one."""
+    import hashlib
+
+    return hashlib.sha256(Path(policy_path).read_bytes()).hexdigest()[:16] if policy_path else None
+
+
 def policy_template(policy_path: str | None, served, base) -> str | None:
     """What the field policy was calibrated on: ``served`` (this very template), ``unpadded`` (the
     spec without the policy clauses), or ``other``; None without a policy."""
