@@ -92,3 +92,24 @@ def test_decision_check_runs_on_a_real_model():
     s = summarize(df)
     assert s["n_cases"] + len(skipped) == 4
     assert set(df.pred_old) <= {"yes", "no"} and df.n_tokens.min() > 50
+
+
+@pytest.mark.slow
+def test_a_real_models_decision_follows_its_field():
+    """The check above runs on smollm2-135m, which answers one way whatever the field says; this one
+    shows a decision that follows the field on qwen2.5-0.5b, the smallest bundled model that does on some
+    prompts (8.5% of generated decision cases, docs/edits.md). The case was found by screening 32 cases
+    of its domains (seed 1): its answer logit difference moves by 0.47 towards the field, with 0.07 to
+    spare on the new side, where float32 rounding moves a logit by about 1e-5 on this model (its engine
+    floor in docs/serving.md)."""
+    from kvprobe.datasets import generate
+    from kvprobe.probes.field_following import validity_table
+
+    case = generate(16, seed=1, domains=["rx_safety", "deploy_guard"], controls=0)[10]
+    assert (case.case_id, case.field, case.old_value, case.new_value) == (
+        "rx_safety-s1-0010", "interaction_check", "failed", "passed")
+    df, skipped = validity_table(real_model("qwen2.5-0.5b"), [case])
+    row = df.iloc[0]
+    assert not skipped and (row.expected_old, row.expected_new) == ("no", "yes")
+    assert (row.pred_old, row.pred_new) == ("no", "yes") and row.valid, row.to_dict()
+    assert row.m_old < -0.2 and row.m_new > 0.03 and row.logit_shift > 0.3, row.to_dict()
