@@ -100,7 +100,8 @@ class Experiment:
     def open(self, load: Callable[[], Any], *, cases: Callable[[], list] | None = None,
              before: Iterable[Callable[[], None]] = (), executor: Callable[[], Any] | None = None,
              align: tuple[str, list, list] | None = None, prepare: Callable[[Any, list], Any] | None = None,
-             checks: Iterable[Callable[[Any], None]] = (), items: Callable[[Opened], Any] | None = None) -> Opened:
+             checks: Iterable[Callable[[Any], None]] = (), items: Callable[[Opened], Any] | None = None,
+             identity: Callable[[Any], tuple[dict, str]] | None = None) -> Opened:
         """Every check, then the claim, in the one order of the module's docstring.
 
         ``load()`` gives the model; ``cases()`` the dataset's cases (their ids checked, and their expected
@@ -110,7 +111,8 @@ class Experiment:
         strategy (:func:`kvprobe.config.precheck_cases`); ``prepare(lm, cases)`` is a command's own alignment
         where it has one (its result is :attr:`Opened.prepared`); ``checks`` take the model; ``items(opened)``
         is what the claim fingerprints (default: the cases; a dict where keys are not case ids, whose keys are
-        checked as ids are)."""
+        checked as ids are). ``identity(lm)`` = (identity, name) claims a model known otherwise than by a loaded
+        model's fingerprint (the serving benchmarks: what ``load`` gave stands for the served model)."""
         self.check()
         for check in before:
             check()
@@ -142,7 +144,7 @@ class Experiment:
             claimed = items(opened) if items is not None else given
             if isinstance(claimed, dict):
                 check_case_ids(claimed)
-            self.folder.claim(lm, claimed)
+            self.folder.claim(lm, claimed, identity=identity(lm) if identity is not None else None)
         except BaseException:
             if ex is not None:
                 ex.close()

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
-import tempfile
 from pathlib import Path
 
 import pandas as pd
 
 from kvprobe.errors import KvprobeError, UsageError
+from kvprobe.files import atomic_write, atomic_write_json, json_text  # noqa: F401  (results' writers, re-exported)
 from kvprobe.identity import ModelIdentity
 from kvprobe.schema import check_version
 from kvprobe.tables import (ATTENTION, CALIBRATION, CALIBRATION_SUMMARY, COMPOSE, CONCENTRATION, EDITS, FLAG,  # noqa: F401
@@ -31,32 +30,6 @@ SERVING_MANIFEST = "serving_manifest.json"
 ENGINE_MANIFEST = "engine_agent_manifest.json"  # kvprobe serve-bench --engine llama.cpp
 COMPOSE_MANIFEST = "compose_manifest.json"  # kvprobe validate
 REPORT = "report.html"
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _umask()
-
-
-def atomic_write(path: Path | str, write) -> Path:
-    """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it into place (the one
-    atomic write: an interrupted writer never leaves a half-written file that looks finished)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; a results file reads like any other file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def atomic_write_parquet(df: pd.DataFrame, path: Path | str) -> Path:
@@ -79,17 +52,6 @@ def atomic_write_parquet(df: pd.DataFrame, path: Path | str) -> Path:
     return atomic_write(path, lambda tmp: pq.write_table(table, tmp))
 
 
-def json_text(data) -> str:
-    """The one JSON form kvprobe writes, to a file or to stdout (``--json -``): indented, keys sorted, a value
-    JSON lacks (a path, a timestamp) as its string, a final newline."""
-    return json.dumps(data, indent=2, sort_keys=True, default=str) + "\n"
-
-
-def atomic_write_json(data: dict, path: Path | str) -> Path:
-    """Write :func:`json_text` atomically; returns the path."""
-    return atomic_write(Path(path), lambda tmp: tmp.write_text(json_text(data)))
-
-
 # The file by which each command claims a results folder, holding the settings it ran with.
 RUN_CLAIM = "config.json"
 EDIT_CLAIM = "edit_config.json"
@@ -100,6 +62,9 @@ WEIGHT_EDIT_CLAIM = "weight_edit_config.json"
 MEMORY_CLAIM = "memory_config.json"
 MEMORY_MANIFEST = "memory_manifest.json"
 SWEEP_MANIFEST = "sweep_manifest.json"
+# The serving benchmarks claim a folder by their manifest (written at the start: the claim's settings plus
+# what the run found, e.g. the unique values' salt), read back through each bench's ``settle``.
+MANIFEST_CLAIMS = (SERVING_MANIFEST, ENGINE_MANIFEST)
 CLAIMS = {RUN_CLAIM: "kvprobe run", EDIT_CLAIM: "kvprobe edit", VALIDATE_CLAIM: "kvprobe validate",
           SWEEP_CLAIM: "kvprobe sweep", CALIBRATE_CLAIM: "kvprobe calibrate",
           SERVING_MANIFEST: "kvprobe serve-bench", ENGINE_MANIFEST: "kvprobe serve-bench --engine llama.cpp",
@@ -187,10 +152,13 @@ def check_claim(folder: Path | str, name: str, config: dict, settle=lambda store
     path = Path(folder) / name
     refuse_foreign(folder, name)
     if path.exists():
-        try:
-            stored = json.loads(path.read_text())
-        except ValueError:
-            raise KvprobeError(f"{path} is not valid JSON; remove the folder or choose another --out") from None
+        if name in MANIFEST_CLAIMS:  # the claim is the manifest itself: an object, and no newer kvprobe's
+            stored = json_object(path, what=f"a `{CLAIMS[name]}` manifest")
+        else:
+            try:
+                stored = json.loads(path.read_text())
+            except ValueError:
+                raise KvprobeError(f"{path} is not valid JSON; remove the folder or choose another --out") from None
         then = settle(stored)
         if then != config:
             differ = sorted(k for k in set(config) | set(then if isinstance(then, dict) else {})
@@ -367,12 +335,16 @@ class ResultsFolder:
         """What :meth:`claim` would refuse, without writing anything; True when resuming."""
         return check_claim(self.path, self.claim_file, self.settings, self.settle, self.held)
 
-    def claim(self, lm=None, cases=()) -> None:
+    def claim(self, lm=None, cases=(), identity: tuple[dict, str] | None = None) -> None:
         """Claim the folder for these settings and, with ``lm``, for this model's and these cases'
-        contents (:func:`claim_inputs`): a resume reuses parts only computed from the same ones."""
+        contents (:func:`claim_inputs`): a resume reuses parts only computed from the same ones. A model
+        known by another identity than a loaded model's (a served model, an engine's GGUF) is given as
+        ``identity`` = (its identity, its name) instead (:func:`claim_identity`)."""
         self.path.mkdir(parents=True, exist_ok=True)
         claim_folder(self.path, self.claim_file, self.settings, self.settle, self.held)
-        if lm is not None:
+        if identity is not None:
+            claim_identity(self.path, identity[0], identity[1], cases)
+        elif lm is not None:
             claim_inputs(self.path, lm, cases)
 
     def parts(self, table: str) -> CaseStore:

@@ -132,8 +132,9 @@ def test_finish_writes_the_manifest_and_hands_the_folder_to_the_summary(tmp_path
 
 def test_no_command_writes_the_sequence_itself():
     """Issue 51: the check -> cases -> load -> align -> claim sequence was written eight times. Every command
-    that writes a results folder now opens it through Experiment: no other module builds a ResultsFolder
-    (serve-bench's folder is claimed by its manifest, with the served model's identity: its own ServerRun)."""
+    that writes a results folder now opens it through Experiment, the serving benchmarks too (their folder is
+    claimed by their manifest, with the served model's or the engine's identity): no other module builds a
+    ResultsFolder or claims a folder itself."""
     import ast
     from pathlib import Path
 
@@ -144,5 +145,5 @@ def test_no_command_writes_the_sequence_itself():
     builds = sorted(str(p.relative_to(src)) for p in src.rglob("*.py") if p not in homes
                     for node in ast.walk(ast.parse(p.read_text()))
                     if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None))
-                    in ("ResultsFolder", "claim_folder", "claim_inputs"))
+                    in ("ResultsFolder", "claim_folder", "claim_inputs", "claim_identity"))
     assert builds == []

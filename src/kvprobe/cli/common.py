@@ -183,7 +183,7 @@ def usable_file(out: Path, option: str = "--out") -> Path:
 
 
 def emit_json(data, dest: str | None) -> None:
-    """``--json``'s output: ``data`` as :func:`kvprobe.results.json_text` on stdout for ``-``, else the same
+    """``--json``'s output: ``data`` as :func:`kvprobe.files.json_text` on stdout for ``-``, else the same
     text written atomically to the path (a line on the console says where); nothing without ``dest``."""
     from kvprobe.results import atomic_write, json_text
 

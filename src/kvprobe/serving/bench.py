@@ -27,8 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvprobe.datasets import ERRATUM_TEMPLATES
 from kvprobe.errors import EnvironmentProblem, KvprobeError, UsageError
-from kvprobe.results import (SERVING, SERVING_MANIFEST, CaseStore, atomic_write_json, claim_identity, json_object,
-                             read_table, refuse_foreign, version_entry)
+from kvprobe.experiment import Experiment
+from kvprobe.results import SERVING, SERVING_MANIFEST, json_object, read_table, version_entry
 from kvprobe.serving import measure
 from kvprobe.serving.client import (Completion, ServerGone, get_json, scrape_metrics, stream_completion)
 from kvprobe.serving.served import check_model, load_tokenizer, pick_served, weights_identity  # noqa: F401
@@ -139,6 +139,12 @@ def fire_with(send: Callable[[int], Completion], schedule: list[float], max_s: f
     return results, sent, max(done) if done else 0.0
 
 
+def served_settings(stored: dict) -> dict:
+    """A serving manifest read back as its claim's settings (a manifest from before the workloads is the
+    single workload's)."""
+    return {"workload": stored.get("workload", "single"), "config": stored.get("config")}
+
+
 class ServerRun:
     """What every serve-bench workload shares: the server (its name for the model, its metrics, its
     block size), the tokenizer, the block ceiling, the results folder's parts and its claim.
@@ -155,6 +161,10 @@ class ServerRun:
         self.cfg, self.url, self.out, self.facts = cfg, url, Path(out), facts or {}
         self.progress, self.advance = progress, advance
         self.tok = load_tokenizer(cfg.model)
+        # the folder is claimed by its manifest: its workload and configuration (a resume keeps its salt)
+        self.exp = Experiment("serve-bench", self.out, SERVING_MANIFEST,
+                              {"workload": self.WORKLOAD, "config": cfg.model_dump()}, settle=served_settings,
+                              held="serving run with another configuration")
 
     def connect(self) -> None:
         """Read the server: its name for the model, whether it counts prefix-cache hits, its block size."""
@@ -163,8 +173,8 @@ class ServerRun:
         self.has_counters = measure.counter(samples, measure.QUERIES) is not None
         self.block_size = measure.block_size_of(samples)
         self.ceiling = measure.BlockCeiling(self.block_size or 1)
-        self.store = CaseStore(self.out, self.TABLE)
-        self.salt = secrets.token_hex(4)  # a resumed folder keeps its own (see _check_resume)
+        self.store = self.exp.folder.parts(self.TABLE)
+        self.salt = secrets.token_hex(4)  # a resumed folder keeps its own (see claim)
 
     def server_version(self) -> str | None:
         try:
@@ -183,34 +193,22 @@ class ServerRun:
     def identity(self) -> dict:
         return self.base_identity()
 
-    def _check_resume(self) -> None:
-        """A folder with a manifest is resumed: same workload, same configuration, same unique values
-        (its salt). A manifest that is not one, or is from a newer kvprobe, is refused (:func:`json_object`)."""
-        path = self.out / SERVING_MANIFEST
-        refuse_foreign(self.out, SERVING_MANIFEST)  # another command's folder, or files nobody claimed
-        if not path.exists():
-            return
-        manifest = json_object(path, what="a `kvprobe serve-bench` manifest")
-        if manifest.get("workload", "single") != self.WORKLOAD:
-            raise UsageError(f"{self.out} holds a serving run of the {manifest.get('workload', 'single')} workload; "
-                             f"give the {self.WORKLOAD} workload another --out")
-        self.salt = manifest.get("unique_salt", self.salt)
-        if manifest.get("config") != self.cfg.model_dump():
-            raise UsageError(f"{self.out} holds a serving run with another configuration; give another --out "
-                             f"or remove {path.name} and parts/{self.TABLE}/ there")
-
     def claim(self) -> None:
-        """Check a resume, then record the manifest and what the rows are computed from (a resume
-        reuses only runs of the same model, server, tokenizer and inputs)."""
-        self._check_resume()
+        """The one harness's checks and claim (:class:`~kvprobe.experiment.Experiment`): another command's folder,
+        or another workload or configuration, is refused; then the server's block size is required, and what the
+        rows are computed from (the served model's identity, :meth:`identity`) is recorded or, on a resume,
+        checked before the manifest is rewritten (a resume reuses only runs of the same model, server,
+        tokenizer and inputs)."""
+        if self.exp.check():
+            self.salt = json_object(self.out / SERVING_MANIFEST).get("unique_salt", self.salt)
+        self.exp.open(lambda: self, before=[self._require_block_size],
+                      identity=lambda run: (run.identity(), run.cfg.model))
+        self.exp.folder.write(SERVING_MANIFEST, self.manifest())
+
+    def _require_block_size(self) -> None:
         if self.block_size is None:
             raise EnvironmentProblem(f"the server at {self.url} does not say its KV block size (no "
                                      f"{measure.CACHE_INFO} in /metrics); kvprobe serve-bench needs a vLLM server")
-        identity = self.identity()
-        if (self.out / SERVING_MANIFEST).exists():  # checked before anything in the folder is rewritten
-            claim_identity(self.out, identity, self.cfg.model)
-        atomic_write_json(self.manifest(), self.out / SERVING_MANIFEST)
-        claim_identity(self.out, identity, self.cfg.model)
 
     def manifest(self) -> dict:
         raise NotImplementedError

@@ -45,8 +45,8 @@ import pandas as pd
 from pydantic import Field, field_validator
 
 from kvprobe.errors import KvprobeError, UsageError
+from kvprobe.experiment import Experiment
 from kvprobe.results import ENGINE_MANIFEST as MANIFEST
-from kvprobe.results import CaseStore, atomic_write_json, claim_identity, json_object, refuse_foreign
 from kvprobe.serving import measure
 from kvprobe.serving.agent import KINDS, AgentConfig
 from kvprobe.serving.llamacpp import KV_TYPES, Engine, InPlaceRefused, check_ids
@@ -132,7 +132,11 @@ class EngineAgentBench:
         self.option_ids = answer_ids(self.tok, self.spec.options)
         if not all(self.option_ids.values()):
             raise KvprobeError(f"{cfg.spec}: an option has no non-space first token: {self.spec.options}")
-        self.store = CaseStore(self.out, TABLE)
+        # the folder is claimed by its manifest (its configuration), through the one harness
+        self.exp = Experiment("serve-bench --engine llama.cpp", self.out, MANIFEST, {"config": cfg.model_dump()},
+                              settle=lambda stored: {"config": stored.get("config")},
+                              held="engine run with another configuration")
+        self.store = self.exp.folder.parts(TABLE)
         self.gguf = gguf_of(cfg.model, progress)
         self._engine = engine
 
@@ -188,19 +192,11 @@ class EngineAgentBench:
                                for arm, rs in self.rendering.items()}}
 
     def claim(self) -> None:
-        refuse_foreign(self.out, MANIFEST)
-        path = self.out / MANIFEST
-        if path.exists():
-            old = json_object(path, what="a `kvprobe serve-bench --engine llama.cpp` manifest")
-            if old.get("config") != self.cfg.model_dump():
-                raise UsageError(f"{self.out} holds an engine run with another configuration; give another --out "
-                                 f"or remove {MANIFEST} and parts/{TABLE}/ there")
-        identity = self.identity()
-        if path.exists():  # checked before anything in the folder is rewritten
-            claim_identity(self.out, identity, self.cfg.model)
-        self.out.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(self.manifest(), path)
-        claim_identity(self.out, identity, self.cfg.model)
+        """The one harness's checks and claim: another command's folder or another configuration is refused;
+        what the rows are computed from (:meth:`identity`) is recorded or, on a resume, checked before the
+        manifest is rewritten."""
+        self.exp.open(lambda: self, identity=lambda run: (run.identity(), run.cfg.model))
+        self.exp.folder.write(MANIFEST, self.manifest())
 
     def total(self) -> int:
         return len(self.cfg.arms) * self.cfg.sessions * self.cfg.turns
