@@ -43,7 +43,8 @@ from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.kv import cache as kvcache
 from kvprobe.kv.decode import Edited
 from kvprobe.kv.hooks import hooks
-from kvprobe.kv.recompute import recompute_many, recompute_positions
+from kvprobe.editor.states import appended, prefilled, recomputed
+from kvprobe.kv.recompute import recompute_many
 
 # -- the registry and the spec grammar --------------------------------------------------------
 class Strategy(ABC):
@@ -153,7 +154,7 @@ def apply(ctx: EditContext, strategy: Strategy | str) -> Edited:
 def _selected(ctx: EditContext, downstream: list[int]) -> Edited:
     f0, f1 = ctx.a.field
     positions = list(range(f0, f1)) + downstream
-    cache = recompute_positions(ctx.lm, ctx.old_cache, ctx.a.ids_new, positions)
+    cache = recomputed(ctx.lm, ctx.old_cache, ctx.a.ids_new, positions)
     return Edited(cache, [ctx.a.ids_new[ctx.D]], len(positions), ctx.D + 1, ids=ctx.a.ids_new[: ctx.D + 1])
 
 
@@ -270,7 +271,7 @@ class CacheBlend(Strategy):
         deviation = ((k_new - k_old) ** 2).sum((0, 1, 3)) + ((v_new - v_old) ** 2).sum((0, 1, 3))  # (D,)
         n = max(1, round(self.ratio * D))
         chosen = torch.argsort(deviation, descending=True, stable=True)[:n].tolist()
-        cache = recompute_positions(lm, ctx.old_cache, ctx.a.ids_new, chosen)
+        cache = recomputed(lm, ctx.old_cache, ctx.a.ids_new, chosen)
         check_cost = D * (check_layer + 1) / len(layers)
         return Edited(cache, [ctx.a.ids_new[D]], n + check_cost, D + 1, ids=ctx.a.ids_new[: D + 1],
                       note=f"field recomputed: {set(range(*ctx.a.field)) <= set(chosen)}")
@@ -357,8 +358,7 @@ class Hoist(Strategy):
         hoisted = self._hoisted(ctx.lm, ctx.a)
         f0, D = hoisted.field[0], hoisted.decision_pos
         start = time.perf_counter()
-        # the deployment's cached prefix
-        _, cache = kvcache.prefill(ctx.lm.model, torch.tensor(hoisted.ids_old[:f0]), logits_to_keep=1)
+        cache = prefilled(ctx.lm, hoisted.ids_old[:f0])  # the deployment's cached prefix
         return Edited(cache, hoisted.ids_new[f0 : D + 1], D - f0, D + 1, rewritten_prompt=True,
                       ids=hoisted.ids_new[: D + 1], setup_s=time.perf_counter() - start)
 
@@ -369,7 +369,7 @@ class Oracle(Strategy):
     """A full re-prefill of the new prompt."""
 
     def apply(self, ctx: EditContext) -> Edited:
-        _, cache = kvcache.prefill(ctx.lm.model, torch.tensor(ctx.a.ids_new[: ctx.D]), logits_to_keep=1)
+        cache = prefilled(ctx.lm, ctx.a.ids_new[: ctx.D])
         return Edited(cache, [ctx.a.ids_new[ctx.D]], ctx.D, ctx.D + 1, ids=ctx.a.ids_new[: ctx.D + 1])
 
 
@@ -384,6 +384,5 @@ class PrefixOracle(Oracle):
     def apply(self, ctx: EditContext) -> Edited:
         f0 = ctx.a.field[0]
         assert ctx.a.ids_old[:f0] == ctx.a.ids_new[:f0], "an in-place edit leaves the tokens before the field"
-        cache = kvcache.crop(ctx.old_cache, f0)  # views: the forward appends new tensors, the old cache is kept
-        kvcache.forward(ctx.lm.model, torch.tensor(ctx.a.ids_new[f0: ctx.D]), cache, logits_to_keep=1)
+        cache = appended(ctx.lm, kvcache.crop(ctx.old_cache, f0), ctx.a.ids_new[f0: ctx.D])
         return Edited(cache, [ctx.a.ids_new[ctx.D]], ctx.D - f0, ctx.D + 1, ids=ctx.a.ids_new[: ctx.D + 1])

@@ -45,10 +45,9 @@ from kvprobe.composer import compose, precompile
 from kvprobe.composer.gate import _decide, option_token_ids
 from kvprobe.datasets.memory import MemorySet, generate_memory
 from kvprobe.datasets.memory_tokens import MemorySegments, segments
+from kvprobe.editor import states
 from kvprobe.executor import Context, Serial
-from kvprobe.kv import cache as kvcache
 from kvprobe.kv.decode import Edited, decide
-from kvprobe.kv.recompute import recompute_positions
 from kvprobe.metrics import mean_ci, proportion, tost_paired
 
 GROUPS = ("qa", "edit", "transplant")
@@ -82,22 +81,22 @@ def arms(seams: Sequence[int] = DEFAULT_SEAMS, policy: bool = False) -> list[tup
             ("transplant", "transplant_full"), *(("transplant", seam_arm(s)) for s in seams)]
 
 
+# Each state is the editor's (kvprobe.editor.states), built on a user's context rather than a case's prompt.
 @torch.no_grad()
 def prefill_state(lm, ids: list[int]) -> State:
-    """A full prefill of ``ids`` into a fresh full-length cache."""
+    """A full prefill of ``ids`` into a fresh full-length cache (the oracle's state)."""
     lm.check_length(len(ids))
     t0 = time.perf_counter()
-    cache = kvcache.new_cache()
-    kvcache.forward(lm.model, torch.tensor([ids], device=lm.device), cache, logits_to_keep=1)
+    cache = states.prefilled(lm, ids)
     return State(cache, len(ids), len(ids), time.perf_counter() - t0)
 
 
 @torch.no_grad()
 def erratum_state(lm, late: State, erratum: list[int]) -> State:
-    """The late (stale) cache with the correction (or the neutral) line prefilled on top of it (a copy)."""
+    """The late (stale) cache with the correction (or the neutral) line prefilled on top of it (the late
+    cache is left as it was)."""
     t0 = time.perf_counter()
-    cache = kvcache.copy(late.cache)
-    kvcache.forward(lm.model, torch.tensor([erratum], device=lm.device), cache, logits_to_keep=1)
+    cache = states.appended(lm, late.cache, erratum)
     return State(cache, late.context_tokens + len(erratum), len(erratum), time.perf_counter() - t0)
 
 
@@ -107,7 +106,7 @@ def field_only_state(lm, late: State, new_ids: list[int], span: tuple[int, int],
         return State(None, len(new_ids), 0, float("nan"), error=f"the new value takes {len(new_ids) - len(old_ids):+d} "
                                                                f"token(s): field-only replaces tokens one for one")
     t0 = time.perf_counter()
-    cache = recompute_positions(lm, late.cache, new_ids, list(range(*span)))
+    cache = states.recomputed(lm, late.cache, new_ids, list(range(*span)))
     return State(cache, len(new_ids), span[1] - span[0], time.perf_counter() - t0)
 
 
