@@ -277,6 +277,10 @@ class CaseStore:
     def save(self, key: str, df: pd.DataFrame) -> Path:
         return atomic_write_parquet(df, self._path(key))
 
+    def holds(self, key: str) -> bool:
+        """Whether ``key`` has a part (readable or not: :meth:`get` says)."""
+        return self._path(key).exists()
+
     def get(self, key: str) -> pd.DataFrame | None:
         """The finished part of ``key``, or None when there is none. A part that cannot be read (cut
         short by a full disk, overwritten by something else) is none too: it is recorded in

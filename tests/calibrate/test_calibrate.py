@@ -357,3 +357,52 @@ def test_auto_takes_the_repair_each_field_was_calibrated_to(toy, tmp_path):
     other_model = kvprobe.load("toy-llama")
     with pytest.raises(KvprobeError, match="was calibrated for toy-qwen2"):
         kvprobe.EditableContext(other_model, policy=str(path))
+
+
+@pytest.mark.parametrize("model", ["toy-qwen2", "tiny-gemma3"])
+def test_pairs_prefilled_as_one_batch_give_the_one_by_one_decisions(model):
+    """Issue 54, item 2: several pairs' old caches and prefix oracles prefilled as one batch (the default, 4
+    pairs; kvprobe.calibrate.batch) against one by one (pair_batch=1): the same pairs, the same rows, every
+    decision the same and every margin within 1e-4 (float32; a sliding-window family too); each old cache and
+    oracle state equals a one-by-one prefill's within 1e-4."""
+    from kvprobe.calibrate.batch import PairStates
+    from kvprobe.calibrate.engine import SharedPrefix, _pairs, aligned_pair
+    from kvprobe.editor.strategies import PrefixOracle, apply
+    from kvprobe.editor.context import EditContext
+    from kvprobe.kv import cache as kvcache
+
+    lm = kvprobe.load(model)
+    spec = load_spec(TOY_SPEC)
+    batched, alone = (calibrate(lm, spec, max_pairs=6, pair_batch=b) for b in (4, 1))
+    assert (batched.pair_batch, alone.pair_batch, alone.states_unused) == (4, 1, 0)
+    keys = ["field", "old_value", "new_value", "others", "strategy"]
+    a, b = (c.rows.sort_values(keys).reset_index(drop=True) for c in (batched, alone))
+    assert list(a[keys].itertuples(index=False)) == list(b[keys].itertuples(index=False))
+    assert list(a.pred) == list(b.pred) and list(a.reference) == list(b.reference)
+    assert (a.margin - b.margin).abs().max() < 1e-4
+    name = next(iter(spec.fields))
+    pairs = [(k, aligned_pair(lm, spec, name, base, new)) for k, (base, new) in _pairs(spec, name, 3, 5)]
+    prefix = SharedPrefix(lm)
+    prefix.old_cache(pairs[0][1].ids_old[: pairs[0][1].decision_pos])  # the first prompt sets the prefix
+    states = PairStates(lm, prefix, 4)
+    for k, pair in pairs[1:]:
+        got, old_one = states.get(k, iter(pairs[1:])), SharedPrefix(lm).old_cache(pair.ids_old[: pair.decision_pos])
+        assert got[0] is pair
+        for (k1, v1), (k2, v2) in zip(kvcache.to_tensors(got[1]), kvcache.to_tensors(old_one)):
+            assert k1.shape == k2.shape and torch.allclose(k1, k2, atol=1e-4) and torch.allclose(v1, v2, atol=1e-4)
+        want = apply(EditContext(lm, pair, old_one), PrefixOracle())
+        for (k1, v1), (k2, v2) in zip(kvcache.to_tensors(got[2].cache), kvcache.to_tensors(want.cache)):
+            assert k1.shape == k2.shape and torch.allclose(k1, k2, atol=1e-4) and torch.allclose(v1, v2, atol=1e-4)
+        assert (got[2].tail_ids, got[2].recomputed, got[2].ids) == (want.tail_ids, want.recomputed, want.ids)
+    assert (states.computed, states.used, states.unused) == (4, 4, 0)
+
+
+def test_states_computed_past_a_verdict_are_counted_unused_never_scored(toy):
+    """The stopping rule reads the pairs one by one in draw order; a batch computes the states of the next 4
+    pairs ahead, and those of pairs past a field's last are dropped: counted in states_unused and the manifest,
+    never in the rows. Three fields of at most 3 pairs: the first field's first pair sets the shared prefix
+    (alone), a batch then takes its pairs 2-5 (2 unused); each other field's batch takes pairs 1-4 (1 unused)."""
+    cal = calibrate(toy, TOY_SPEC, max_pairs=3)
+    assert all(res.pairs + res.skipped == 3 for res in cal.fields)
+    assert cal.states_unused == 4 and cal.pair_batch == 4
+    assert len(cal.rows.groupby(["field", "old_value", "new_value", "others"])) == 9

@@ -30,6 +30,7 @@ import pandas as pd
 import torch
 import yaml
 
+from kvprobe.calibrate.batch import DEFAULT_PAIR_BATCH, PairStates
 from kvprobe.calibrate.spec import CalibrationSpec, context_for, load_spec  # noqa: F401  (imported from here too)
 from kvprobe.calibrate.summary import policy_of, summarize
 from kvprobe.defaults import DEFAULT_THRESHOLD
@@ -76,22 +77,34 @@ class SharedPrefix:
     def __init__(self, lm):
         self.lm, self.ids, self.cache, self.tokens_saved = lm, None, None, 0
 
+    def shared(self, ids: list[int]) -> int:
+        """How many of the first tokens of ``ids`` the prefix holds (at least one token of ``ids`` is left to
+        run on top of it); 0 before the first prompt."""
+        if self.ids is None:
+            return 0
+        n, limit = 0, min(len(self.ids), len(ids) - 1)
+        while n < limit and self.ids[n] == ids[n]:
+            n += 1
+        return n
+
+    def crop_to(self, n: int):
+        """The prefix's cache, first cut to ``n`` tokens where it holds more (and kept so)."""
+        from kvprobe.kv import cache as kvcache
+
+        if n < len(self.ids):
+            self.ids, self.cache = self.ids[:n], kvcache.copy(kvcache.crop(self.cache, n))
+        return self.cache
+
     def old_cache(self, ids: list[int]):
         """The cache of ``ids`` (an old prompt up to its decision token), from the shared prefix."""
         from kvprobe.kv import cache as kvcache
 
-        n = 0
-        if self.ids is not None:
-            limit = min(len(self.ids), len(ids) - 1)  # at least one token is run on top of the prefix
-            while n < limit and self.ids[n] == ids[n]:
-                n += 1
+        n = self.shared(ids)
         if n == 0:  # the first prompt, or one that shares nothing: prefilled whole, and kept
             _, cache = kvcache.prefill(self.lm.model, torch.tensor(ids), logits_to_keep=1)
             self.ids, self.cache = list(ids), kvcache.copy(cache)
             return cache
-        if n < len(self.ids):
-            self.ids, self.cache = self.ids[:n], kvcache.copy(kvcache.crop(self.cache, n))
-        cache = kvcache.copy(self.cache)
+        cache = kvcache.copy(self.crop_to(n))
         kvcache.forward(self.lm.model, torch.tensor(ids[n:]), cache, logits_to_keep=1)
         self.tokens_saved += n
         return cache
@@ -112,7 +125,7 @@ def check_choice(name: str, value: str, accepted: dict[str, str], flag: str = ""
 
 def measure_pair(lm, spec: CalibrationSpec, name: str, base: dict[str, str], new: str, candidates: list,
                  form: str = "auto", prefix: SharedPrefix | None = None, oracle: str = "prefix",
-                 batch_reads: bool | None = None) -> pd.DataFrame:
+                 batch_reads: bool | None = None, states: tuple | None = None) -> pd.DataFrame:
     """One pair: a row per strategy (stale, oracle, each candidate) from the one measurement core
     (:func:`kvprobe.editor.score.measure_strategies`, edits.parquet's columns, plus the pair's
     values, ``to_decision_s`` and ``changed``), or one skipped row. The old prompt's cache
@@ -120,18 +133,19 @@ def measure_pair(lm, spec: CalibrationSpec, name: str, base: dict[str, str], new
     same decision up to float rounding: tests/calibrate compares the two). The decisions of stale, the
     oracle and a candidate whose state has their shape are read as one batch where that was measured to
     cost less on this machine (``batch_reads`` None; True or False force it: the same decisions up to float
-    rounding, :func:`kvprobe.editor.score.read_states`)."""
-    from kvprobe.api import aligned_edit
+    rounding, :func:`kvprobe.editor.score.read_states`). ``states`` = (aligned case, old cache, prefix oracle) are
+    the pair's, computed beforehand with other pairs' (:class:`kvprobe.calibrate.batch.PairStates`); the oracle's
+    row then counts its share of that batch's time."""
+    from kvprobe.calibrate.batch import given
     from kvprobe.editor.context import EditContext, make_context
     from kvprobe.editor.score import measure_strategies
     from kvprobe.editor.strategies import Oracle, PrefixOracle, parse_strategy
 
     check_choice("oracle", oracle, ORACLES)
-    ctx = context_for(lm, spec, base, form)
     head = {"field": name, "old_value": base[name], "new_value": new,
             "others": yaml.safe_dump({k: v for k, v in base.items() if k != name}, default_flow_style=True).strip()}
     try:
-        a = aligned_edit(lm, ctx.case(name, new), ctx.form)
+        a = states[0] if states is not None else aligned_pair(lm, spec, name, base, new, form)
     except KvprobeError as exc:  # e.g. the two values tokenise to different lengths: no in-place edit
         return pd.DataFrame([{**head, "strategy": "", "skip": f"not editable in place ({exc})", "degenerate": False}])
     if a.ids_old == a.ids_new:
@@ -144,9 +158,13 @@ def measure_pair(lm, spec: CalibrationSpec, name: str, base: dict[str, str], new
     typed = [parse_strategy(c) if isinstance(c, str) else c for c in candidates]
     with lm.lock:
         D = a.decision_pos
-        ec = (EditContext(lm, a, prefix.old_cache(a.ids_old[:D])) if prefix is not None else make_context(lm, a))
-        df = measure_strategies(lm, a, typed, ctx=ec, oracle=PrefixOracle() if oracle == "prefix" else Oracle(),
-                                batch_reads=batch_reads)
+        if states is not None:
+            ec, orc, share = EditContext(lm, a, states[1]), given(states[2]), states[2].wall_s
+        else:
+            ec = (EditContext(lm, a, prefix.old_cache(a.ids_old[:D])) if prefix is not None else make_context(lm, a))
+            orc, share = PrefixOracle() if oracle == "prefix" else Oracle(), 0.0
+        df = measure_strategies(lm, a, typed, ctx=ec, oracle=orc, batch_reads=batch_reads)
+    df.loc[df.strategy == "oracle", "wall_s"] += share  # its part of the batch that computed it
     stale = df.loc[df.strategy == "stale", "pred"].iloc[0]
     df.insert(0, "field", name)
     for i, (k, v) in enumerate(head.items()):
@@ -158,6 +176,14 @@ def measure_pair(lm, spec: CalibrationSpec, name: str, base: dict[str, str], new
     df["changed"] = df.reference != stale
     df["agree"] = df.agree.astype("boolean").fillna(False).astype(bool)  # a repair that could not run fails
     return df
+
+
+def aligned_pair(lm, spec: CalibrationSpec, name: str, base: dict[str, str], new: str, form: str = "auto"):
+    """The pair's aligned edit (a KvprobeError where the two values cannot be edited in place)."""
+    from kvprobe.api import aligned_edit
+
+    ctx = context_for(lm, spec, base, form)
+    return aligned_edit(lm, ctx.case(name, new), ctx.form)
 
 
 def _in_play(res: FieldResult, seq: Sequence, candidates: list[str]) -> str:
@@ -177,6 +203,8 @@ class Calibration:
     prefix_tokens_saved: int = 0  # old-prompt tokens not prefilled again (SharedPrefix), this process
     wasted: int = 0  # pairs a parallel executor measured past a field's stopping point: dropped, parts kept
     reads: list = field(default_factory=list)  # whether batched reads paid, as measured here (batch_measured)
+    pair_batch: int = 1  # pairs whose old caches and oracles were prefilled as one batch (1: one by one)
+    states_unused: int = 0  # pairs whose states a batch computed ahead of a field's verdict (PairStates.unused)
 
 
 def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CANDIDATES,
@@ -184,7 +212,8 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
               max_pairs: int = 200, seed: int = 0, form: str = "auto", parts=None,
               progress: Callable[[str, int, int], None] = lambda field, done, total: None,
               executor=None, oracle: str = "prefix", procedure: str = "chain",
-              say: Callable[[str], None] = lambda message: None, batch_reads: bool | None = None) -> Calibration:
+              say: Callable[[str], None] = lambda message: None, batch_reads: bool | None = None,
+              pair_batch: int = DEFAULT_PAIR_BATCH) -> Calibration:
     """Calibrate every field of ``spec`` (or the spec file at that path) on the model ``lm`` (a
     loaded model or a spec :func:`kvprobe.load` takes; see the module docstring).
     ``parts(name)`` gives a :class:`kvprobe.results.CaseStore` per field to keep finished pairs.
@@ -194,7 +223,8 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
     or ``shared`` (every candidate on every pair, alpha_lower shared: what kvprobe did before the
     chain). ``say`` gets a line when a chain brings its next candidate in (measuring it back over
     the pairs so far takes a while). ``batch_reads``: :func:`measure_pair`'s (None: batched where measured
-    to pay).
+    to pay). ``pair_batch``: how many drawn pairs' old caches and prefix oracles are prefilled as one batch
+    (:mod:`kvprobe.calibrate.batch`; 1: one by one, and always so on a parallel executor or the full oracle).
 
     ``executor`` (:mod:`kvprobe.executor`; serial by default) measures the pairs. The sequential
     rule reads them in the order they were drawn, whatever order the workers finish in, so it
@@ -226,6 +256,8 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
     ctx = Context(lm)
     ctx.memo[_PREFIX] = prefix  # a worker process keeps its own
     wasted = executor.wasted
+    batcher = (PairStates(lm, prefix, pair_batch) if pair_batch > 1 and oracle == "prefix"
+               and isinstance(executor, Serial) else None)
     seq = Sequence(threshold=threshold, m=len(candidates), chain=max_pairs if chain else 0)
     change_seq = Sequence(threshold=threshold)
     frames, results = [], []
@@ -236,14 +268,30 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
         # it is sent; a parallel executor sends pairs ahead, so one that reaches the rule after the next
         # candidate joined is measured for it here
         pair_of, rows_of, counted = {}, {}, {}
-        items = ((key, (pair_of.setdefault(key, pair), _in_play(res, seq, candidates) if chain else None))
-                 for key, pair in _pairs(spec, name, seed, 2 * max_pairs + 10))
+        drawn = list(_pairs(spec, name, seed, 2 * max_pairs + 10))
+        items = ((key, (key, pair_of.setdefault(key, pair), _in_play(res, seq, candidates) if chain else None))
+                 for key, pair in drawn)
         start = time.perf_counter()
 
-        def one(ctx, item, name=name):
-            (base, new), cand = item
+        def ahead(key, name=name, drawn=drawn, store=store):
+            """The drawn pairs from ``key`` on that no part holds yet, with their aligned edits (None where the
+            pair cannot be edited in place or changes no token: measured, and skipped, one by one)."""
+            for k, (base, new) in drawn[int(key):]:
+                if store is not None and store.holds(k):
+                    continue
+                try:
+                    a = aligned_pair(lm, spec, name, base, new, form)
+                except KvprobeError:
+                    a = None
+                yield k, (a if a is not None and a.ids_old != a.ids_new else None)
+
+        def one(ctx, item, name=name, states=None):  # sent to a parallel executor's workers: refers to no model
+            key, (base, new), cand = item
             return measure_pair(ctx.lm, spec, name, base, new, [typed[c] for c in ([cand] if cand else candidates)],
-                                form, ctx.keep(_PREFIX, SharedPrefix), oracle, batch_reads)
+                                form, ctx.keep(_PREFIX, SharedPrefix), oracle, batch_reads, states)
+
+        def batched(ctx, item, one=one, ahead=ahead):
+            return one(ctx, item, states=batcher.get(item[0], ahead(item[0])))
 
         def count(key: str, cand: str, res=res, name=name, store=store) -> None:
             """Count ``cand`` on the pair ``key``, measuring it there first if its part lacks it."""
@@ -272,7 +320,7 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
                         count(key, cand)
             return True
 
-        loop = executor.each(store, items, one, ctx)
+        loop = executor.each(store, items, batched if batcher is not None else one, ctx)
         for key, df, _ in loop:
             rows_of[key] = df
             if isinstance(df.skip.iloc[0], str):
@@ -298,6 +346,8 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
         else:
             decide(res, seq, candidates, final=True)
         loop.close()  # pairs measured ahead of the stopping point are counted now
+        if batcher is not None:
+            batcher.forget()  # states computed ahead of the verdict: unused
         res.seconds = time.perf_counter() - start
         # a pair's rows: stale, the oracle and the candidates counted on it (a part may hold more: a
         # candidate measured ahead, or counted in an earlier run that stopped elsewhere)
@@ -311,4 +361,5 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
     from kvprobe.editor.score import batch_measured
 
     return Calibration(rows, summary, policy, results, prefix.tokens_saved, executor.wasted - wasted,
-                       batch_measured(lm))
+                       batch_measured(lm), batcher.size if batcher is not None else 1,
+                       batcher.unused if batcher is not None else 0)

@@ -1,0 +1,111 @@
+"""Several calibration pairs' prefills as one batch (issue 54, item 2).
+
+A pair computes two prefills before any repair: its old prompt's cache from the shared prefix on (the stale
+state, which every candidate repairs) and its new prompt from the field on (the prefix oracle). Pairs drawn for
+one field are independent, so :class:`PairStates` computes both for the next ``size`` drawn pairs at once: the
+old prompts' suffixes right-padded to the longest and prefilled as one batch on copies of the shared prefix's
+cache, then the oracles' suffixes the same way, batched among the pairs whose field starts at the same token
+(their caches up to it have one length). A right pad changes no real token's keys or values (attention is
+causal), and each row's cache is cut to its own length, so a pair's states are those of a prefill one by one up
+to float rounding (tests/calibrate compares the decisions of the two paths). On the Zen 4 of docs/calibrate.md a
+batch of 4 costs 0.65-0.85 of the pairs one by one (``benchmarks/suffix_batch.py``).
+
+The stopping rule still reads the pairs one by one in draw order: the states are computed ahead, and those of
+pairs past the field's verdict are never measured nor counted (:attr:`PairStates.unused` counts them).
+"""
+
+from __future__ import annotations
+
+import time
+from itertools import islice
+
+import torch
+
+from kvprobe.editor.strategies import PrefixOracle
+from kvprobe.kv import cache as kvcache
+from kvprobe.kv.decode import Edited
+
+DEFAULT_PAIR_BATCH = 4  # the batch of benchmarks/suffix_batch.py's largest saving per pair with few states ahead
+
+
+class GivenOracle(PrefixOracle):
+    """The prefix oracle's state, computed beforehand with other pairs' (its rows are the oracle's)."""
+
+    def apply(self, ctx) -> Edited:
+        return self.__dict__["edited"]
+
+
+def given(edited: Edited) -> GivenOracle:
+    oracle = GivenOracle()
+    object.__setattr__(oracle, "edited", edited)  # not a dataclass field: the strategy's spec stays "oracle"
+    return oracle
+
+
+def _suffix_batch(lm, bases: list, suffixes: list[list[int]]) -> list:
+    """Each base cache (one length) continued by its suffix, as one forward of the right-padded rows; each row's
+    cache cut to its own length."""
+    width = max(map(len, suffixes))
+    ids = torch.tensor([s + [s[-1]] * (width - len(s)) for s in suffixes])
+    cache = kvcache.concat(bases, dim="batch")
+    kvcache.forward(lm.model, ids, cache, logits_to_keep=1)
+    n = kvcache.seq_len(bases[0])
+    return [kvcache.crop(kvcache.take_rows(cache, [r]), n + len(s)) for r, s in enumerate(suffixes)]
+
+
+class PairStates:
+    """The old caches and prefix oracles of a field's pairs, ``size`` drawn pairs at a time (see the module).
+
+    ``get(key, ahead)`` gives the pair ``key``'s (aligned case, old cache, oracle) or None where it was not
+    batched (not editable in place, or a prompt that shares no prefix yet: the calibration's first sets it);
+    ``ahead`` iterates the drawn pairs from ``key`` on as (key, aligned case or None), in draw order."""
+
+    def __init__(self, lm, prefix, size: int = DEFAULT_PAIR_BATCH):
+        self.lm, self.prefix, self.size = lm, prefix, size
+        self.ready: dict[str, tuple] = {}
+        self.computed = 0  # pairs whose states were computed in a batch
+        self.used = 0  # of them, pairs measured
+        self.seconds = 0.0
+
+    @property
+    def unused(self) -> int:
+        """Pairs whose states were computed ahead and never measured (past a field's verdict)."""
+        return self.computed - self.used
+
+    def forget(self) -> None:
+        """A field is done: the states computed ahead of its verdict are dropped (they stay counted as unused)."""
+        self.ready.clear()
+
+    def get(self, key: str, ahead):
+        if key not in self.ready:
+            self._compute(list(islice(((k, a) for k, a in ahead if a is not None and k not in self.ready), self.size)))
+        got = self.ready.pop(key, None)
+        self.used += got is not None
+        return got
+
+    def _compute(self, pairs: list) -> None:
+        olds = [a.ids_old[: a.decision_pos] for _, a in pairs]
+        n = min((self.prefix.shared(ids) for ids in olds), default=0)
+        if n == 0:  # nothing to batch, or no shared prefix yet: measured one by one
+            return
+        lm, start = self.lm, time.perf_counter()
+        with lm.lock:
+            base = self.prefix.crop_to(n)
+            caches = _suffix_batch(lm, [base] * len(pairs), [ids[n:] for ids in olds])
+            self.prefix.tokens_saved += n * len(pairs)
+            groups: dict[int, list[int]] = {}
+            for i, (_, a) in enumerate(pairs):
+                groups.setdefault(a.field[0], []).append(i)
+            oracles: dict[int, Edited] = {}
+            for f0, rows in groups.items():
+                t0 = time.perf_counter()
+                fixed = _suffix_batch(lm, [kvcache.crop(caches[i], f0) for i in rows],
+                                      [pairs[i][1].ids_new[f0: pairs[i][1].decision_pos] for i in rows])
+                share = (time.perf_counter() - t0) / len(rows)
+                for i, cache in zip(rows, fixed):
+                    a = pairs[i][1]
+                    D = a.decision_pos
+                    oracles[i] = Edited(cache, [a.ids_new[D]], D - f0, D + 1, wall_s=share, ids=a.ids_new[: D + 1])
+        for i, (key, a) in enumerate(pairs):
+            self.ready[key] = (a, caches[i], oracles[i])
+        self.computed += len(pairs)
+        self.seconds += time.perf_counter() - start
