@@ -23,6 +23,7 @@ import torch
 
 from kvprobe.api import aligned_edit
 from kvprobe.calibrate.engine import _pairs, context_for, load_spec
+from kvprobe.errors import KvprobeError
 from kvprobe.hardware import cpu_line
 from kvprobe.kv import cache as kvcache
 from kvprobe.models import load_model
@@ -78,7 +79,7 @@ def main() -> None:
         ctx = context_for(lm, spec, base)
         try:
             aligned.append(aligned_edit(lm, ctx.case(name, new), ctx.form))
-        except Exception:  # noqa: BLE001  a value of another token length: not a pair calibrate measures
+        except KvprobeError:  # a value of another token length: not a pair calibrate measures
             continue
         if len(aligned) == max(sizes):
             break
