@@ -19,19 +19,17 @@ pairs with the shared procedure's (``--pairs-before``, 83 at 0.95 for three cand
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 import yaml
+from common import template_bench
 
 from kvprobe.api import aligned_edit
-from kvprobe.calibrate.engine import DEFAULT_CANDIDATES, SharedPrefix, _pairs, context_for, load_spec, measure_pair
-from kvprobe.hardware import cpu_line
+from kvprobe.calibrate.engine import DEFAULT_CANDIDATES, SharedPrefix, _pairs, context_for, measure_pair
 from kvprobe.kv import cache as kvcache
 from kvprobe.kv.readout import option_columns
-from kvprobe.models import load_model
 
 
 def full_prefill_s(lm, a) -> float:
@@ -44,18 +42,12 @@ def full_prefill_s(lm, a) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen2.5-1.5b")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--spec", default="examples/calibrate-refund-clear.yaml")
-    ap.add_argument("--pairs", type=int, default=4, help="timed pairs per field (after one untimed warm-up pair)")
-    ap.add_argument("--policy", default=None, help="a field_policy.yaml of this spec: weigh by its chain's pairs")
-    ap.add_argument("--pairs-before", type=int, default=83, help="pairs a field took with shared alpha")
-    args = ap.parse_args()
-    torch.set_grad_enabled(False)
-    print(cpu_line())
-    lm = load_model(args.model, dtype=args.dtype)
-    spec = load_spec(args.spec)
+    def options(ap):
+        ap.add_argument("--pairs", type=int, default=4, help="timed pairs per field (after one untimed warm-up pair)")
+        ap.add_argument("--policy", default=None, help="a field_policy.yaml of this spec: weigh by its chain's pairs")
+        ap.add_argument("--pairs-before", type=int, default=83, help="pairs a field took with shared alpha")
+
+    args, lm, spec = template_bench(__doc__, options)
     cands = list(DEFAULT_CANDIDATES)
     print(f"model={args.model} dtype={args.dtype} threads={torch.get_num_threads()} spec={args.spec} "
           f"pairs per field={args.pairs} (+1 warm-up)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -62,3 +63,24 @@ def share(k: int, n: int) -> str:
         return "- (n=0)"
     lo, hi = proportion_ci(k, n, method="exact")
     return f"{k}/{n} [{lo:.2f}, {hi:.2f}]"
+
+
+def template_bench(doc: str, add_options) -> tuple[argparse.Namespace, object, object]:
+    """The start of a benchmark on a calibration template: ``--model``, ``--dtype`` and ``--spec`` (the 1.5B
+    and the refund template by default) and the options ``add_options(parser)`` adds; then gradients off, the
+    CPU line printed, the model loaded and the spec read. Returns (args, the loaded model, the spec)."""
+    import torch
+
+    from kvprobe.calibrate.spec import load_spec
+    from kvprobe.hardware import cpu_line
+    from kvprobe.models import load_model
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-1.5b")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--spec", default="examples/calibrate-refund-clear.yaml")
+    add_options(ap)
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    print(cpu_line())
+    return args, load_model(args.model, dtype=args.dtype), load_spec(args.spec)

@@ -19,20 +19,18 @@ and each kind's share, so a suffix's extra cost per token is seen where it arise
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections import defaultdict
 
 import torch
+from common import template_bench
 
 from kvprobe.api import aligned_edit
-from kvprobe.calibrate.engine import _pairs, context_for, load_spec
+from kvprobe.calibrate.engine import _pairs, context_for
 from kvprobe.editor.context import make_context
 from kvprobe.editor.strategies import parse_strategy
-from kvprobe.hardware import cpu_line
 from kvprobe.kv import cache as kvcache
-from kvprobe.models import load_model
 
 KINDS = {"matmul": ("aten::addmm", "aten::mm", "aten::linear", "aten::_weight_int", "aten::mkldnn"),
          "attention": ("aten::bmm", "aten::matmul", "aten::softmax", "aten::_softmax",
@@ -55,7 +53,8 @@ def timed(fn, repeat: int) -> float:
 
 def profile(fn) -> dict[str, float]:
     """Self CPU seconds of one call of ``fn``, by kind of operator."""
-    from torch.profiler import ProfilerActivity, profile as prof
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
 
     with prof(activities=[ProfilerActivity.CPU]) as p:
         fn()
@@ -66,18 +65,12 @@ def profile(fn) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen2.5-1.5b")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--spec", default="examples/calibrate-refund-clear.yaml")
-    ap.add_argument("--strategy", default="erratum_turn")
-    ap.add_argument("--pairs", type=int, default=3)
-    ap.add_argument("--repeat", type=int, default=3)
-    args = ap.parse_args()
-    torch.set_grad_enabled(False)
-    print(cpu_line())
-    lm = load_model(args.model, dtype=args.dtype)
-    spec = load_spec(args.spec)
+    def options(ap):
+        ap.add_argument("--strategy", default="erratum_turn")
+        ap.add_argument("--pairs", type=int, default=3)
+        ap.add_argument("--repeat", type=int, default=3)
+
+    args, lm, spec = template_bench(__doc__, options)
     strategy = parse_strategy(args.strategy)
     print(f"model={args.model} dtype={args.dtype} threads={torch.get_num_threads()} strategy={strategy.spec}")
     print(f"{'pair':<26} {'what':<9} {'tokens':>6} {'s':>7} {'s/token':>8} {'ratio':>6}  "

@@ -15,18 +15,15 @@ after a warm-up of each shape; printed as seconds and the batch's time over the 
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import time
 
 import torch
+from common import template_bench, timed
 
 from kvprobe.api import aligned_edit
-from kvprobe.calibrate.engine import _pairs, context_for, load_spec
+from kvprobe.calibrate.engine import _pairs, context_for
 from kvprobe.errors import KvprobeError
-from kvprobe.hardware import cpu_line
 from kvprobe.kv import cache as kvcache
-from kvprobe.models import load_model
 
 
 def common_prefix(rows: list[list[int]]) -> int:
@@ -36,17 +33,11 @@ def common_prefix(rows: list[list[int]]) -> int:
     return n
 
 
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def singles(lm, base, suffixes: list[list[int]]) -> float:
     def run():
         for s in suffixes:
             kvcache.forward(lm.model, torch.tensor([s]), kvcache.crop(base, kvcache.seq_len(base)), logits_to_keep=1)
-    return timed(run)
+    return timed(run)[1]
 
 
 def batched(lm, base, suffixes: list[list[int]], pad: int) -> float:
@@ -56,22 +47,16 @@ def batched(lm, base, suffixes: list[list[int]], pad: int) -> float:
     def run():
         cache = kvcache.concat([kvcache.crop(base, kvcache.seq_len(base))] * len(suffixes), dim="batch")
         kvcache.forward(lm.model, ids, cache, logits_to_keep=1)
-    return timed(run)
+    return timed(run)[1]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen2.5-1.5b")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--spec", default="examples/calibrate-refund-clear.yaml")
-    ap.add_argument("--field", default=None, help="the field whose pairs are drawn (default: the spec's first)")
-    ap.add_argument("--batches", default="2,4,8")
-    ap.add_argument("--repeat", type=int, default=3)
-    args = ap.parse_args()
-    torch.set_grad_enabled(False)
-    print(cpu_line())
-    lm = load_model(args.model, dtype=args.dtype)
-    spec = load_spec(args.spec)
+    def options(ap):
+        ap.add_argument("--field", default=None, help="the field whose pairs are drawn (default: the spec's first)")
+        ap.add_argument("--batches", default="2,4,8")
+        ap.add_argument("--repeat", type=int, default=3)
+
+    args, lm, spec = template_bench(__doc__, options)
     name = args.field or next(iter(spec.fields))
     sizes = [int(b) for b in args.batches.split(",")]
     aligned = []
@@ -91,7 +76,7 @@ def main() -> None:
     kinds = {"old prompt from the shared prefix": (prefix, [o[n:] for o in olds]),
              "oracle from the field": (field_prefix, [a.ids_new[f0: a.decision_pos] for a in aligned])}
     pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
-    full = statistics.median(timed(lambda: kvcache.prefill(lm.model, torch.tensor(olds[0]), logits_to_keep=1))
+    full = statistics.median(timed(lambda: kvcache.prefill(lm.model, torch.tensor(olds[0]), logits_to_keep=1))[1]
                              for _ in range(args.repeat))
     print(f"model={args.model} dtype={args.dtype} threads={torch.get_num_threads()} field={name} pairs={len(aligned)} "
           f"prompt={len(olds[0])} tokens, shared prefix={n}, field at {f0}; a full prefill {full:.3f} s")

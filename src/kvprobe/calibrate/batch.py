@@ -64,7 +64,6 @@ class PairStates:
         self.ready: dict[str, tuple] = {}
         self.computed = 0  # pairs whose states were computed in a batch
         self.used = 0  # of them, pairs measured
-        self.seconds = 0.0
 
     @property
     def unused(self) -> int:
@@ -87,7 +86,7 @@ class PairStates:
         n = min((self.prefix.shared(ids) for ids in olds), default=0)
         if n == 0:  # nothing to batch, or no shared prefix yet: measured one by one
             return
-        lm, start = self.lm, time.perf_counter()
+        lm = self.lm
         with lm.lock:
             base = self.prefix.crop_to(n)
             caches = _suffix_batch(lm, [base] * len(pairs), [ids[n:] for ids in olds])
@@ -108,4 +107,3 @@ class PairStates:
         for i, (key, a) in enumerate(pairs):
             self.ready[key] = (a, caches[i], oracles[i])
         self.computed += len(pairs)
-        self.seconds += time.perf_counter() - start
