@@ -406,3 +406,27 @@ def test_states_computed_past_a_verdict_are_counted_unused_never_scored(toy):
     assert all(res.pairs + res.skipped == 3 for res in cal.fields)
     assert cal.states_unused == 4 and cal.pair_batch == 4
     assert len(cal.rows.groupby(["field", "old_value", "new_value", "others"])) == 9
+
+
+def test_a_candidate_measured_back_on_kept_states_gives_the_recomputed_rows(toy, tmp_path):
+    """Issue 54: a candidate joining the chain is measured back over the pairs so far on the states their batch
+    computed (kept, not prefilled again): the same rows as measuring it back one by one (pair_batch=1, each pair's
+    old cache and oracle prefilled again), every decision the same and every margin within 1e-4 (float32). Once
+    the last candidate is in play nothing is kept (none can join)."""
+    data = yaml.safe_load(open(TOY_SPEC))
+    data["fields"] = {"subscription_tier": data["fields"]["subscription_tier"]}
+    data["template"] = data["template"].replace("timestamp: {timestamp}\nrequest_id: {request_id}\n", "")
+    (tmp_path / "tier.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    spec = load_spec(tmp_path / "tier.yaml")
+    runs = [calibrate(toy, spec, candidates=["cacheblend:0.15", "field_only"], max_pairs=30, pair_batch=b)
+            for b in (4, 1)]
+    (res,) = runs[0].fields
+    nb = res.counts["cacheblend:0.15"][1]
+    # the first pair sets the shared prefix (measured alone, so recomputed); the others were kept
+    assert 0 < nb < 30 and runs[0].states_reused == nb - 1 and runs[1].states_reused == 0
+    keys = ["field", "old_value", "new_value", "others", "strategy"]
+    a, b = (c.rows.sort_values(keys).reset_index(drop=True) for c in runs)
+    assert list(a[keys].itertuples(index=False)) == list(b[keys].itertuples(index=False))
+    assert list(a.pred) == list(b.pred) and list(a.reference) == list(b.reference) and list(a.agree) == list(b.agree)
+    assert (a.margin - b.margin).abs().max() < 1e-4
+    assert [r.counts for r in runs[0].fields] == [r.counts for r in runs[1].fields]

@@ -205,6 +205,7 @@ class Calibration:
     reads: list = field(default_factory=list)  # whether batched reads paid, as measured here (batch_measured)
     pair_batch: int = 1  # pairs whose old caches and oracles were prefilled as one batch (1: one by one)
     states_unused: int = 0  # pairs whose states a batch computed ahead of a field's verdict (PairStates.unused)
+    states_reused: int = 0  # measure-backs of a joining candidate on a pair's kept states (PairStates.reused)
 
 
 def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CANDIDATES,
@@ -290,14 +291,18 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
             return measure_pair(ctx.lm, spec, name, base, new, [typed[c] for c in ([cand] if cand else candidates)],
                                 form, ctx.keep(_PREFIX, SharedPrefix), oracle, batch_reads, states)
 
-        def batched(ctx, item, one=one, ahead=ahead):
-            return one(ctx, item, states=batcher.get(item[0], ahead(item[0])))
+        def batched(ctx, item, one=one, ahead=ahead, res=res):
+            states = batcher.get(item[0], ahead(item[0]))
+            if chain and _in_play(res, seq, candidates) != candidates[-1]:  # a candidate may still join
+                batcher.keep(item[0], states)
+            return one(ctx, item, states=states)
 
         def count(key: str, cand: str, res=res, name=name, store=store) -> None:
             """Count ``cand`` on the pair ``key``, measuring it there first if its part lacks it."""
             df = rows_of[key]
-            if not (df.strategy == cand).any():
-                got = measure_pair(lm, spec, name, *pair_of[key], [typed[cand]], form, prefix, oracle, batch_reads)
+            if not (df.strategy == cand).any():  # measured back: on the pair's kept states where there are some
+                got = measure_pair(lm, spec, name, *pair_of[key], [typed[cand]], form, prefix, oracle, batch_reads,
+                                   batcher.reuse(key) if batcher is not None else None)
                 df = rows_of[key] = pd.concat([df, got[got.strategy == cand]], ignore_index=True)
                 if store is not None:
                     store.save(key, df)
@@ -318,6 +323,8 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
                 for key in list(counted):
                     if cand not in counted[key]:
                         count(key, cand)
+                if batcher is not None and cand == candidates[-1]:
+                    batcher.release()  # the last candidate: none will be measured back
             return True
 
         loop = executor.each(store, items, batched if batcher is not None else one, ctx)
@@ -362,4 +369,4 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
 
     return Calibration(rows, summary, policy, results, prefix.tokens_saved, executor.wasted - wasted,
                        batch_measured(lm), batcher.size if batcher is not None else 1,
-                       batcher.unused if batcher is not None else 0)
+                       batcher.unused if batcher is not None else 0, batcher.reused if batcher is not None else 0)
