@@ -14,10 +14,12 @@ import pandas as pd
 from kvprobe.datasets import AlignedCase, EditCase, Skip, align, require_answers
 from kvprobe.errors import KvprobeError
 from kvprobe.executor import Context, Serial
-from kvprobe.editor.context import make_context
+from kvprobe.editor.context import EditContext, make_context
 from kvprobe.editor.score import Reference, error_row, score_row
-from kvprobe.editor.strategies import Selective, Strategy, apply, apply_selective_many, parse_strategy
+from kvprobe.editor.rankings import rank_downstream
+from kvprobe.editor.strategies import Selective, Strategy, apply, parse_strategy
 from kvprobe.kv.decode import Edited, decide, decide_batch, decide_many, shape_of
+from kvprobe.kv.recompute import recompute_many
 from kvprobe.metrics import DEFAULT_MIN_FLIP
 
 
@@ -142,3 +144,20 @@ def run_edits(lm, cases: Sequence[EditCase], strategies: Sequence[Strategy | str
         done = executor.map(store, items, one, ctx, on_case)  # store: a kvprobe.results.CaseStore (resume), or None
         frames += [done] if len(done) else []
     return (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()), skipped
+
+
+def apply_selective_many(ctx: EditContext, strategies: list[Selective]) -> list[Edited]:
+    """Several ``selective`` strategies of one K on one case (a K sweep's rankings), the same
+    caches as applying each, recomputed as one batched forward. Each row's ``wall_s`` is the
+    batch's time shared equally by its rows."""
+    assert len({s.k for s in strategies}) == 1, "apply_selective_many takes strategies of one K"
+    for s in strategies:
+        s.check(ctx.lm, ctx.a)
+    f0, f1 = ctx.a.field
+    start = time.perf_counter()
+    sets = [list(range(f0, f1)) + rank_downstream(ctx, s.ranking)[: s.k] for s in strategies]
+    caches = recompute_many(ctx.lm, ctx.old_cache, ctx.a.ids_new, sets)
+    share = (time.perf_counter() - start) / len(strategies)
+    return [Edited(cache, [ctx.a.ids_new[ctx.D]], len(positions), ctx.D + 1, wall_s=share,
+                   ids=ctx.a.ids_new[: ctx.D + 1])
+            for cache, positions in zip(caches, sets)]

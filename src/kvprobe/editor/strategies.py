@@ -41,10 +41,9 @@ from kvprobe.editor.context import EditContext
 from kvprobe.editor.rankings import RANKINGS, rank_downstream
 from kvprobe.errors import KvprobeError, UsageError
 from kvprobe.kv import cache as kvcache
-from kvprobe.kv.decode import Edited
+from kvprobe.kv.decode import Edited, Read
 from kvprobe.kv.hooks import hooks
 from kvprobe.editor.states import appended, prefilled, recomputed
-from kvprobe.kv.recompute import recompute_many
 
 # -- the registry and the spec grammar --------------------------------------------------------
 class Strategy(ABC):
@@ -66,6 +65,12 @@ class Strategy(ABC):
     @abstractmethod
     def apply(self, ctx: EditContext) -> Edited:
         """Repair the old cache of ``ctx`` for the new value."""
+
+    def fused(self, ctx: EditContext) -> tuple[Edited, Read] | None:
+        """The repair and its decision read as one :class:`~kvprobe.kv.decode.Read` (read with others by
+        :func:`~kvprobe.kv.decode.decide_ragged`), where the repair recomputes positions known up front; with the
+        row's account of it (an Edited whose ``cache`` is None: no repaired cache is built). None: apply, then read."""
+        return None
 
     @property
     def spec(self) -> str:
@@ -158,21 +163,14 @@ def _selected(ctx: EditContext, downstream: list[int]) -> Edited:
     return Edited(cache, [ctx.a.ids_new[ctx.D]], len(positions), ctx.D + 1, ids=ctx.a.ids_new[: ctx.D + 1])
 
 
-def apply_selective_many(ctx: EditContext, strategies: list["Selective"]) -> list[Edited]:
-    """Several ``selective`` strategies of one K on one case (a K sweep's rankings), the same
-    caches as applying each, recomputed as one batched forward. Each row's ``wall_s`` is the
-    batch's time shared equally by its rows."""
-    assert len({s.k for s in strategies}) == 1, "apply_selective_many takes strategies of one K"
-    for s in strategies:
-        s.check(ctx.lm, ctx.a)
+def _selected_fused(ctx: EditContext, downstream: list[int]) -> tuple[Edited, Read]:
+    """:func:`_selected`'s recompute and its read as one Read: the recomputed tokens at their positions, the
+    stale entries there hidden (recompute_positions' visibility), then the decision token."""
     f0, f1 = ctx.a.field
-    start = time.perf_counter()
-    sets = [list(range(f0, f1)) + rank_downstream(ctx, s.ranking)[: s.k] for s in strategies]
-    caches = recompute_many(ctx.lm, ctx.old_cache, ctx.a.ids_new, sets)
-    share = (time.perf_counter() - start) / len(strategies)
-    return [Edited(cache, [ctx.a.ids_new[ctx.D]], len(positions), ctx.D + 1, wall_s=share,
-                   ids=ctx.a.ids_new[: ctx.D + 1])
-            for cache, positions in zip(caches, sets)]
+    positions = sorted([*range(f0, f1), *downstream])
+    ids = ctx.a.ids_new
+    read = Read(ctx.old_cache, [ids[p] for p in positions] + [ids[ctx.D]], positions + [ctx.D], positions)
+    return Edited(None, [ids[ctx.D]], len(positions), ctx.D + 1, ids=ids[: ctx.D + 1]), read
 
 
 def _erratum_ids(lm, a, template: str, value_in_prompt: str, at: str = "question") -> list[int]:
@@ -213,6 +211,9 @@ class FieldOnly(Strategy):
     def apply(self, ctx: EditContext) -> Edited:
         return _selected(ctx, [])
 
+    def fused(self, ctx: EditContext) -> tuple[Edited, Read]:
+        return _selected_fused(ctx, [])
+
 
 @register("selective")
 @dataclass(frozen=True)
@@ -235,6 +236,10 @@ class Selective(Strategy):
     def apply(self, ctx: EditContext) -> Edited:
         self.check(ctx.lm, ctx.a)
         return _selected(ctx, rank_downstream(ctx, self.ranking)[: self.k])
+
+    def fused(self, ctx: EditContext) -> tuple[Edited, Read]:
+        self.check(ctx.lm, ctx.a)
+        return _selected_fused(ctx, rank_downstream(ctx, self.ranking)[: self.k])
 
 
 class _StopForward(Exception):

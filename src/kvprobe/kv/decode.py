@@ -3,7 +3,8 @@
 An :class:`Edited` state is what every repair returns (:mod:`kvprobe.editor.strategies`): a cache,
 the tokens still to feed, and what the repair cost. :func:`decide` feeds those tokens, optionally
 generates chain-of-thought tokens, and returns the decision logits; it never changes the cache's
-entries. :func:`decide_many` does the same for several caches, batched.
+entries. :func:`decide_many` does the same for several caches, batched; :func:`decide_ragged` reads
+several :class:`Read` objects of any lengths (a repair in place fused with its read among them) as one forward.
 """
 
 from __future__ import annotations
@@ -42,6 +43,26 @@ class Edited:
 
 
 COT_CUE = "\nAnswer:"
+
+
+@dataclass
+class Read:
+    """A decision read: ``ids`` fed at the RoPE ``positions`` after ``cache``, seeing every entry of it but
+    those at ``hidden`` (the positions the fed tokens stand in for), each other by position; the decision
+    is read at the last. An :class:`Edited` state's read is its tail after its cache (:meth:`of`); a repair
+    in place whose positions are known up front is its recompute and its read as one read (the recomputed
+    tokens at their positions, the stale entries there hidden: :func:`~kvprobe.kv.recompute.recompute_positions`'
+    visibility)."""
+
+    cache: DynamicCache
+    ids: list[int]
+    positions: list[int]
+    hidden: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, e: Edited) -> "Read":
+        n = kvcache.seq_len(e.cache)
+        return cls(e.cache, list(e.tail_ids), list(range(n, n + len(e.tail_ids))))
 
 
 def shape_of(e: Edited) -> tuple[int, tuple[int, ...]]:
@@ -153,3 +174,26 @@ def decide(lm, edited: Edited, cot_tokens: int = 0) -> tuple[torch.Tensor, str]:
         return logits, lm.tokenizer.decode(generated)
     finally:
         kvcache.truncate_(cache, n)
+
+
+@torch.no_grad()
+def decide_ragged(lm, reads: Sequence[Read]) -> list[torch.Tensor]:
+    """The decision logits (V,) of each of ``reads`` (caches and tails of any lengths), as one forward: the
+    caches padded on the left (:func:`kvprobe.kv.cache.left_pad`, a copy: every input cache is left as it
+    was), the tails too, each padding token at a position no real token reaches, each row's hidden entries
+    masked. The same logits as reading each alone, up to float rounding; one pass over the weights."""
+    if not reads:
+        return []
+    cache, key_pos = kvcache.left_pad([r.cache for r in reads])
+    B, S, N = len(reads), max(len(r.ids) for r in reads), key_pos.shape[1]
+    ids = torch.zeros(B, S, dtype=torch.long)
+    pos = torch.full((B, S), kvcache.HIDDEN_POSITION, dtype=torch.long)
+    visible = torch.ones(B, S, N, dtype=torch.bool)
+    for b, r in enumerate(reads):
+        ids[b, S - len(r.ids):] = torch.tensor(r.ids)
+        ids[b, : S - len(r.ids)] = r.ids[0]  # padding: a real id, at a position no real token sees
+        pos[b, S - len(r.ids):] = torch.tensor(r.positions)
+        if r.hidden:
+            visible[b, :, N - kvcache.seq_len(r.cache) + torch.tensor(r.hidden)] = False
+    out = kvcache.masked_forward(lm, ids, cache, pos, key_pos, visible=visible, logits_to_keep=1)
+    return list(out.logits[:, -1])
