@@ -362,7 +362,8 @@ def test_auto_takes_the_repair_each_field_was_calibrated_to(toy, tmp_path):
 @pytest.mark.parametrize("model", ["toy-qwen2", "tiny-gemma3"])
 def test_pairs_prefilled_as_one_batch_give_the_one_by_one_decisions(model):
     """Issue 54, item 2: several pairs' old caches and prefix oracles prefilled as one batch (the default, 4
-    pairs; kvprobe.calibrate.batch) against one by one (pair_batch=1): the same pairs, the same rows, every
+    pairs; kvprobe.calibrate.batch), and their reads as few forwards (field_only's recompute fused with its read),
+    against one by one (pair_batch=1): the same pairs, the same rows, every
     decision the same and every margin within 1e-4 (float32; a sliding-window family too); each old cache and
     oracle state equals a one-by-one prefill's within 1e-4."""
     from kvprobe.calibrate.batch import PairStates
@@ -375,6 +376,9 @@ def test_pairs_prefilled_as_one_batch_give_the_one_by_one_decisions(model):
     spec = load_spec(TOY_SPEC)
     batched, alone = (calibrate(lm, spec, max_pairs=6, pair_batch=b) for b in (4, 1))
     assert (batched.pair_batch, alone.pair_batch, alone.states_unused) == (4, 1, 0)
+    # the batched pairs' reads (stale, oracle, field_only fused with its recompute) were read across pairs
+    assert batched.rows.read_batch.max() > 3 >= alone.rows.read_batch.max()
+    assert calibrate(lm, spec, max_pairs=2, pair_batch=4, batch_reads=False).rows.read_batch.max() == 1
     keys = ["field", "old_value", "new_value", "others", "strategy"]
     a, b = (c.rows.sort_values(keys).reset_index(drop=True) for c in (batched, alone))
     assert list(a[keys].itertuples(index=False)) == list(b[keys].itertuples(index=False))

@@ -21,13 +21,17 @@ kept states (the repair and its read only), where it used to prefill each pair's
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from itertools import islice
 
 import torch
 
-from kvprobe.editor.strategies import PrefixOracle
+from kvprobe.editor.context import EditContext
+from kvprobe.editor.score import timed_read
+from kvprobe.editor.strategies import PrefixOracle, Stale, apply
+from kvprobe.errors import KvprobeError
 from kvprobe.kv import cache as kvcache
-from kvprobe.kv.decode import Edited
+from kvprobe.kv.decode import Edited, Read, decide_ragged
 
 DEFAULT_PAIR_BATCH = 4  # the batch of benchmarks/suffix_batch.py's largest saving per pair with few states ahead
 # The caches kept a field for measuring a joining candidate back (old cache and oracle per pair): 62 pairs of
@@ -66,11 +70,12 @@ class PairStates:
     batched (not editable in place, or a prompt that shares no prefix yet: the calibration's first sets it);
     ``ahead`` iterates the drawn pairs from ``key`` on as (key, aligned case or None), in draw order."""
 
-    def __init__(self, lm, prefix, size: int = DEFAULT_PAIR_BATCH):
-        self.lm, self.prefix, self.size = lm, prefix, size
+    def __init__(self, lm, prefix, size: int = DEFAULT_PAIR_BATCH, reads: bool = True):
+        self.lm, self.prefix, self.size, self.reads = lm, prefix, size, reads
         self.ready: dict[str, tuple] = {}
         self.computed = 0  # pairs whose states were computed in a batch
         self.used = 0  # of them, pairs measured
+        self.single_s: float | None = None  # a one-token decision read alone, timed once (_read)
         self.kept: dict[str, tuple] = {}  # measured pairs' states, for a candidate measured back (keep)
         self.kept_bytes = 0
         self.reused = 0  # pairs a joining candidate was measured back on from their kept states
@@ -106,14 +111,15 @@ class PairStates:
         self.kept.clear()
         self.kept_bytes = 0
 
-    def get(self, key: str, ahead):
+    def get(self, key: str, ahead, strategies=()):
         if key not in self.ready:
-            self._compute(list(islice(((k, a) for k, a in ahead if a is not None and k not in self.ready), self.size)))
+            self._compute(list(islice(((k, a) for k, a in ahead if a is not None and k not in self.ready), self.size)),
+                          strategies)
         got = self.ready.pop(key, None)
         self.used += got is not None
         return got
 
-    def _compute(self, pairs: list) -> None:
+    def _compute(self, pairs: list, strategies=()) -> None:
         olds = [a.ids_old[: a.decision_pos] for _, a in pairs]
         n = min((self.prefix.shared(ids) for ids in olds), default=0)
         if n == 0:  # nothing to batch, or no shared prefix yet: measured one by one
@@ -136,6 +142,52 @@ class PairStates:
                     a = pairs[i][1]
                     D = a.decision_pos
                     oracles[i] = Edited(cache, [a.ids_new[D]], D - f0, D + 1, wall_s=share, ids=a.ids_new[: D + 1])
+            given = self._read(pairs, caches, oracles, strategies) if self.reads else [{} for _ in pairs]
         for i, (key, a) in enumerate(pairs):
-            self.ready[key] = (a, caches[i], oracles[i])
+            self.ready[key] = (a, caches[i], oracles[i], given[i])
         self.computed += len(pairs)
+
+    def _read(self, pairs: list, caches: list, oracles: dict, strategies) -> list[dict]:
+        """Each pair's stale, oracle and ``strategies`` reads, as few forwards (:func:`decide_ragged`): the one-token
+        reads together, the longer ones (a repair in place fused with its read, an erratum's tail) together. A
+        strategy that refuses a pair is left to the pair's measurement (its error row).
+
+        What a read would cost alone, its row's ``decide_s`` (and a fused repair's ``wall_s``), is estimated from the
+        forward it shared: one pass over the weights, :attr:`single_s` (a one-token read timed alone once, the
+        better of two), plus its tokens at that forward's time per token past that pass. A fused field_only is
+        costed as deployed, its recompute (its field tokens) then its read (one token): two passes."""
+        entries = []  # (pair index, label, Edited, Read)
+        for i, (_, a) in enumerate(pairs):
+            ctx = EditContext(self.lm, a, caches[i])
+            stale = apply(ctx, Stale())
+            entries += [(i, "stale", stale, Read.of(stale)), (i, "oracle", replace(oracles[i], wall_s=0.0),
+                                                              Read.of(oracles[i]))]
+            for s in strategies:
+                try:
+                    s.check(self.lm, a)
+                    fused = s.fused(ctx)
+                    edited, read = fused if fused is not None else (None, None)
+                    if fused is None:
+                        edited = apply(ctx, s)
+                        read = Read.of(edited)
+                except KvprobeError:
+                    continue
+                entries.append((i, s.label, edited, read))
+        if self.single_s is None:
+            self.single_s = min(timed_read(self.lm, entries[0][2])[1] for _ in range(2))
+        given: list[dict] = [{} for _ in pairs]
+        for one_token in (True, False):
+            group = [e for e in entries if (len(e[3].ids) == 1) == one_token]
+            if not group:
+                continue
+            start = time.perf_counter()
+            logits = decide_ragged(self.lm, [e[3] for e in group])
+            elapsed = time.perf_counter() - start
+            per_token = max(0.0, elapsed - self.single_s) / sum(len(e[3].ids) for e in group)
+            for (i, label, edited, read), g in zip(group, logits):
+                if edited.cache is None:  # fused: the recompute of its field tokens, then a one-token read
+                    edited.wall_s = self.single_s + per_token * (len(read.ids) - 1)
+                    given[i][label] = (edited, (g, self.single_s + per_token, len(group)))
+                else:
+                    given[i][label] = (edited, (g, self.single_s + per_token * len(read.ids), len(group)))
+        return given

@@ -158,12 +158,14 @@ def measure_pair(lm, spec: CalibrationSpec, name: str, base: dict[str, str], new
     typed = [parse_strategy(c) if isinstance(c, str) else c for c in candidates]
     with lm.lock:
         D = a.decision_pos
+        read = {}
         if states is not None:
             ec, orc, share = EditContext(lm, a, states[1]), given(states[2]), states[2].wall_s
+            read = states[3] if len(states) > 3 else {}
         else:
             ec = (EditContext(lm, a, prefix.old_cache(a.ids_old[:D])) if prefix is not None else make_context(lm, a))
             orc, share = PrefixOracle() if oracle == "prefix" else Oracle(), 0.0
-        df = measure_strategies(lm, a, typed, ctx=ec, oracle=orc, batch_reads=batch_reads)
+        df = measure_strategies(lm, a, typed, ctx=ec, oracle=orc, batch_reads=batch_reads, given=read)
     df.loc[df.strategy == "oracle", "wall_s"] += share  # its part of the batch that computed it
     stale = df.loc[df.strategy == "stale", "pred"].iloc[0]
     df.insert(0, "field", name)
@@ -206,6 +208,7 @@ class Calibration:
     pair_batch: int = 1  # pairs whose old caches and oracles were prefilled as one batch (1: one by one)
     states_unused: int = 0  # pairs whose states a batch computed ahead of a field's verdict (PairStates.unused)
     states_reused: int = 0  # measure-backs of a joining candidate on a pair's kept states (PairStates.reused)
+    single_read_s: float | None = None  # a decision read alone, which batched reads' costs start from (PairStates)
 
 
 def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CANDIDATES,
@@ -257,8 +260,8 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
     ctx = Context(lm)
     ctx.memo[_PREFIX] = prefix  # a worker process keeps its own
     wasted = executor.wasted
-    batcher = (PairStates(lm, prefix, pair_batch) if pair_batch > 1 and oracle == "prefix"
-               and isinstance(executor, Serial) else None)
+    batcher = (PairStates(lm, prefix, pair_batch, reads=batch_reads is not False)
+               if pair_batch > 1 and oracle == "prefix" and isinstance(executor, Serial) else None)
     seq = Sequence(threshold=threshold, m=len(candidates), chain=max_pairs if chain else 0)
     change_seq = Sequence(threshold=threshold)
     frames, results = [], []
@@ -292,7 +295,8 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
                                 form, ctx.keep(_PREFIX, SharedPrefix), oracle, batch_reads, states)
 
         def batched(ctx, item, one=one, ahead=ahead, res=res):
-            states = batcher.get(item[0], ahead(item[0]))
+            key, _, cand = item
+            states = batcher.get(key, ahead(key), [typed[c] for c in ([cand] if cand else candidates)])
             if chain and _in_play(res, seq, candidates) != candidates[-1]:  # a candidate may still join
                 batcher.keep(item[0], states)
             return one(ctx, item, states=states)
@@ -369,4 +373,5 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
 
     return Calibration(rows, summary, policy, results, prefix.tokens_saved, executor.wasted - wasted,
                        batch_measured(lm), batcher.size if batcher is not None else 1,
-                       batcher.unused if batcher is not None else 0, batcher.reused if batcher is not None else 0)
+                       batcher.unused if batcher is not None else 0, batcher.reused if batcher is not None else 0,
+                       batcher.single_s if batcher is not None else None)

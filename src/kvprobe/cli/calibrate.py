@@ -101,7 +101,7 @@ def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calib
                settings=folder.settings, method=cal.policy["method"], prefix_tokens_saved=cal.prefix_tokens_saved,
                executor={**ex.describe(), "pairs_measured_unused": cal.wasted}, reads=cal.reads,
                pair_batch={"size": cal.pair_batch, "states_unused": cal.states_unused,
-                           "states_reused": cal.states_reused},
+                           "states_reused": cal.states_reused, "single_read_s": cal.single_read_s},
                fields={f.name: {"pairs": f.pairs, "skipped": f.skipped, "seconds": round(f.seconds, 1),
                                 "oracle_prefix_share": _share_of(cal.summary, f.name)} for f in cal.fields})
     print_table(cal, model, threshold)

@@ -200,7 +200,7 @@ def read_states(lm, states: dict[str, Edited], batch: bool | None = False
 def measure_strategies(lm, a: AlignedCase, strategies: Sequence[Strategy], *, ctx: EditContext | None = None,
                        old_cache=None, min_flip: float = DEFAULT_MIN_FLIP,
                        on_row: Callable[[], None] = lambda: None, oracle: Strategy | None = None,
-                       batch_reads: bool | None = False) -> pd.DataFrame:
+                       batch_reads: bool | None = False, given: dict | None = None) -> pd.DataFrame:
     """Stale, the oracle, then each of ``strategies`` (typed; one row per label) on one aligned case,
     each repaired from the old cache, read at the decision token (no chain-of-thought) and scored
     against the stale and oracle reads: a frame of :data:`ROW_COLUMNS` plus ``margin``
@@ -215,26 +215,33 @@ def measure_strategies(lm, a: AlignedCase, strategies: Sequence[Strategy], *, ct
     ``oracle`` computes the oracle's state (a full prefill, :class:`Oracle`, unless given: calibrate's
     :class:`~kvprobe.editor.strategies.PrefixOracle`). ``batch_reads`` reads the states of one shape as
     one batch (:func:`read_states`; None: where it was measured to pay); each is read alone by default.
+    ``given`` maps a label (stale, oracle, a strategy's) to its state and read, computed beforehand with other
+    cases' (``(Edited, (logits, seconds, reads in its batch))``: :class:`kvprobe.calibrate.batch.PairStates`).
     """
     ctx = ctx if ctx is not None else make_context(lm, a, old_cache=old_cache)
     oracle = oracle or Oracle()
+    given = given or {}
     alone = batch_reads is False  # each read as soon as its state is built, timed alone
-    states = {label: apply(ctx, s) for label, s in (("stale", Stale()), ("oracle", oracle))}
-    reads = {label: (*timed_read(lm, e), 1) for label, e in states.items()} if alone else {}
-    wanted = {"stale": Stale(), "oracle": oracle} | {s.label: s for s in strategies if s.label not in states}
+    wanted = {"stale": Stale(), "oracle": oracle} | {s.label: s for s in strategies
+                                                     if s.label not in ("stale", "oracle")}
+    states = {label: given[label][0] for label in wanted if label in given}
+    reads = {label: given[label][1] for label in states}
     errors = {}
     for label, s in wanted.items():
         if label in states:
             continue
         try:
-            s.check(lm, a)
+            if label not in ("stale", "oracle"):  # the references' failures are the case's, not a row's
+                s.check(lm, a)
             states[label] = apply(ctx, s)
             if alone:
                 reads[label] = (*timed_read(lm, states[label]), 1)
         except KvprobeError as exc:
+            if label in ("stale", "oracle"):
+                raise
             errors[label] = exc
     if not alone:
-        reads = read_states(lm, states, batch_reads)
+        reads |= read_states(lm, {k: e for k, e in states.items() if k not in reads}, batch_reads)
     ref = Reference.of(a, reads["stale"][0], reads["oracle"][0], min_flip, lm.tokenizer)
     rows = []
     for label, s in wanted.items():
