@@ -56,14 +56,14 @@ def test_a_deliberate_change_still_fails_the_check(tmp_path, monkeypatch):
     """One probe reading the wrong layer (the edge knockout hides each chosen edge one layer up,
     its rows still labelled as before) and one strategy recomputing one token fewer (selective
     drops its last position): both tables differ, in their values."""
-    from kvprobe.editor import strategies
+    from kvprobe.editor import runner
     from kvprobe.probes import knockout
 
-    real_reads, real_many = knockout.knockout_reads, strategies.recompute_many
+    real_reads, real_many = knockout.knockout_reads, runner.recompute_many
     monkeypatch.setattr(knockout, "knockout_reads",
                         lambda lm, cache, token, position, hidden, **kw:
                         real_reads(lm, cache, token, position, torch.roll(hidden, 1, dims=1), **kw))
-    monkeypatch.setattr(strategies, "recompute_many",
+    monkeypatch.setattr(runner, "recompute_many",
                         lambda lm, cache, ids, sets: real_many(lm, cache, ids, [sorted(s)[:-1] for s in sets]))
     lines, _ = _compare("toy-qwen2", tmp_path / "toy-qwen2")
     print("\n".join(lines))
