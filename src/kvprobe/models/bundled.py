@@ -250,12 +250,16 @@ def _one_header_parse():
         gguf_module.get_tensor_name_map = original_map
 
 
-def dequantize_to_folder(gguf: Path, folder: Path, model_class: str | None = None) -> None:
-    """Dequantise a GGUF with transformers and save a float32 safetensors folder atomically."""
+def dequantize_to_folder(gguf: Path, folder: Path, model_class: str | None = None,
+                         progress: Callable[[str], None] = lambda s: None) -> None:
+    """Dequantise a GGUF with transformers and save a float32 safetensors folder atomically (the count of
+    tensors done to ``progress``, no progress bar)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with _one_header_parse():
+    from kvprobe.models.quiet import plain_tensor_progress, quiet_hf
+
+    with _one_header_parse(), plain_tensor_progress(progress), quiet_hf():
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # A GGUF load keeps its quantisation settings, and save_pretrained refuses them: the tensors
@@ -334,7 +338,7 @@ def fetch(alias: str, progress: Callable[[str], None] = lambda s: None) -> Path:
             return b.folder
         gguf = assemble_gguf(b, progress)
         progress("dequantising GGUF (once; later loads are fast)")
-        dequantize_to_folder(gguf, b.folder, b.model_class)
+        dequantize_to_folder(gguf, b.folder, b.model_class, progress)
         shutil.rmtree(tokenizer_only_folder(alias), ignore_errors=True)  # the model folder has the same tokenizer
     return b.folder
 
