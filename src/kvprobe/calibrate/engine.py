@@ -298,7 +298,7 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
             key, _, cand = item
             states = batcher.get(key, ahead(key), [typed[c] for c in ([cand] if cand else candidates)])
             if chain and _in_play(res, seq, candidates) != candidates[-1]:  # a candidate may still join
-                batcher.keep(item[0], states)
+                batcher.keep(key, states)
             return one(ctx, item, states=states)
 
         def count(key: str, cand: str, res=res, name=name, store=store) -> None:
