@@ -66,9 +66,10 @@ def _suffix_batch(lm, bases: list, suffixes: list[list[int]]) -> list:
 class PairStates:
     """The old caches and prefix oracles of a field's pairs, ``size`` drawn pairs at a time (see the module).
 
-    ``get(key, ahead)`` gives the pair ``key``'s (aligned case, old cache, oracle) or None where it was not
-    batched (not editable in place, or a prompt that shares no prefix yet: the calibration's first sets it);
-    ``ahead`` iterates the drawn pairs from ``key`` on as (key, aligned case or None), in draw order."""
+    ``get(key, ahead, strategies)`` gives the pair ``key``'s (aligned case, old cache, oracle, reads) or None where
+    it was not batched (not editable in place, or a prompt that shares no prefix yet: the calibration's first sets
+    it); ``ahead`` iterates the drawn pairs from ``key`` on as (key, aligned case or None), in draw order; ``reads``
+    are the stale, oracle and ``strategies`` reads (:meth:`_read`; empty with ``reads=False``)."""
 
     def __init__(self, lm, prefix, size: int = DEFAULT_PAIR_BATCH, reads: bool = True):
         self.lm, self.prefix, self.size, self.reads = lm, prefix, size, reads
@@ -166,13 +167,12 @@ class PairStates:
                 try:
                     s.check(self.lm, a)
                     fused = s.fused(ctx)
-                    edited, read = fused if fused is not None else (None, None)
                     if fused is None:
                         edited = apply(ctx, s)
-                        read = Read.of(edited)
+                        fused = edited, Read.of(edited)
                 except KvprobeError:
                     continue
-                entries.append((i, s.label, edited, read))
+                entries.append((i, s.label, *fused))
         if self.single_s is None:
             self.single_s = min(timed_read(self.lm, entries[0][2])[1] for _ in range(2))
         given: list[dict] = [{} for _ in pairs]

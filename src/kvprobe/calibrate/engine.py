@@ -133,9 +133,9 @@ def measure_pair(lm, spec: CalibrationSpec, name: str, base: dict[str, str], new
     same decision up to float rounding: tests/calibrate compares the two). The decisions of stale, the
     oracle and a candidate whose state has their shape are read as one batch where that was measured to
     cost less on this machine (``batch_reads`` None; True or False force it: the same decisions up to float
-    rounding, :func:`kvprobe.editor.score.read_states`). ``states`` = (aligned case, old cache, prefix oracle) are
-    the pair's, computed beforehand with other pairs' (:class:`kvprobe.calibrate.batch.PairStates`); the oracle's
-    row then counts its share of that batch's time."""
+    rounding, :func:`kvprobe.editor.score.read_states`). ``states`` = (aligned case, old cache, prefix oracle, reads)
+    are the pair's, computed beforehand with other pairs' (:class:`kvprobe.calibrate.batch.PairStates`; ``reads``:
+    measure_strategies' ``given``); the oracle's row then counts its share of that batch's time."""
     from kvprobe.calibrate.batch import given
     from kvprobe.editor.context import EditContext, make_context
     from kvprobe.editor.score import measure_strategies
@@ -161,7 +161,7 @@ def measure_pair(lm, spec: CalibrationSpec, name: str, base: dict[str, str], new
         read = {}
         if states is not None:
             ec, orc, share = EditContext(lm, a, states[1]), given(states[2]), states[2].wall_s
-            read = states[3] if len(states) > 3 else {}
+            read = states[3]
         else:
             ec = (EditContext(lm, a, prefix.old_cache(a.ids_old[:D])) if prefix is not None else make_context(lm, a))
             orc, share = PrefixOracle() if oracle == "prefix" else Oracle(), 0.0
@@ -255,6 +255,11 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
     check_choice("procedure", procedure, PROCEDURES)
     chain = procedure == "chain"
     typed = {s: parse_strategy(s) for s in candidates}
+
+    def measured(cand: str | None) -> list:
+        """The strategies a pair is measured for: the chain's candidate in play, or every candidate (shared)."""
+        return [typed[c] for c in ([cand] if cand else candidates)]
+
     prefix = SharedPrefix(lm)  # the template before its first field: prefilled once, for every field's pairs
     executor = executor or Serial()
     ctx = Context(lm)
@@ -291,12 +296,12 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
 
         def one(ctx, item, name=name, states=None):  # sent to a parallel executor's workers: refers to no model
             key, (base, new), cand = item
-            return measure_pair(ctx.lm, spec, name, base, new, [typed[c] for c in ([cand] if cand else candidates)],
-                                form, ctx.keep(_PREFIX, SharedPrefix), oracle, batch_reads, states)
+            return measure_pair(ctx.lm, spec, name, base, new, measured(cand), form, ctx.keep(_PREFIX, SharedPrefix),
+                                oracle, batch_reads, states)
 
         def batched(ctx, item, one=one, ahead=ahead, res=res):
             key, _, cand = item
-            states = batcher.get(key, ahead(key), [typed[c] for c in ([cand] if cand else candidates)])
+            states = batcher.get(key, ahead(key), measured(cand))
             if chain and _in_play(res, seq, candidates) != candidates[-1]:  # a candidate may still join
                 batcher.keep(key, states)
             return one(ctx, item, states=states)
