@@ -227,6 +227,21 @@ def _fake_launcher(tmp_path, body: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(script)], start_new_session=True)
 
 
+def test_a_launcher_just_started_counts_as_alive(tmp_path):
+    """Popen returns while the kernel may not yet have set the child's command line: that is not a stale PID."""
+    from kvprobe.serving import server
+
+    script = tmp_path / "kvprobe_vllm.py"
+    script.write_text("import time; time.sleep(60)\n")
+    dead = 0
+    for _ in range(3000):  # the window is about 1 start in 1000 on a 2-core Zen 4
+        proc = subprocess.Popen([sys.executable, str(script)], start_new_session=True)
+        dead += not server._alive(proc.pid)
+        proc.kill()
+        proc.wait()
+    assert dead == 0
+
+
 def test_state_file_roundtrip_and_stale_states(home, tmp_path):
     from kvprobe.serving import server
 

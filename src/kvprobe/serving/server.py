@@ -62,21 +62,33 @@ def state_path() -> Path:
     return serve_dir() / STATE_FILE
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` is a live process running our launcher (not a zombie, not a reused PID)."""
+def _alive(pid: int, exec_wait_s: float = 2.0) -> bool:
+    """Whether ``pid`` is a live process running our launcher (not a zombie, not a reused PID).
+
+    A process still inside exec shows an empty command line for a moment after ``Popen`` returns
+    (the kernel sets it after closing the close-on-exec pipe ``Popen`` waits on): an empty one is
+    read again for up to ``exec_wait_s`` before it counts as not ours.
+    """
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         pass
+    deadline = time.monotonic() + exec_wait_s
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        if stat.rsplit(")", 1)[1].split()[0] == "Z":
-            return False
-        return env.LAUNCHER in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        while True:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            if stat.rsplit(")", 1)[1].split()[0] == "Z":
+                return False
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if cmdline or time.monotonic() >= deadline:
+                return env.LAUNCHER in cmdline.decode(errors="replace")
+            time.sleep(0.02)
+    except FileNotFoundError:
+        return not Path("/proc/self").exists()  # gone while we looked; with no /proc, trust the signal
     except OSError:
-        return True  # no /proc: trust the signal
+        return True
 
 
 def read_state(path: Path | None = None) -> ServerState | None:
