@@ -12,5 +12,5 @@ def weights_sha256(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy())  # the array's buffer itself: no copy
     return h.hexdigest()
