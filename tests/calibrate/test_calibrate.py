@@ -95,6 +95,11 @@ def test_the_first_look_is_where_an_unbroken_run_first_reaches_the_threshold():
     assert Sequence(threshold=0.95, m=3).n0 == 83  # three candidates share alpha (kvprobe memory's policy)
     assert Sequence(threshold=0.95, m=3, chain=200).n0 == 62  # a chain of three: as one (calibrate)
     assert seq.verdict(10, 30) == "ruled out"
+    # the pairs, all agreeing, to the earliest verdict (where calibrate's batches stop computing ahead)
+    assert seq.to_establish(0, 0, 200) == 62 and seq.to_establish(61, 61, 200) == 1 and seq.to_establish(0, 0, 9) == 9
+    # one disagreement by pair 61: most of alpha was spent at pair 62, so no unbroken run establishes it within 200
+    assert seq.to_establish(60, 61, 200) == 200 and seq.verdict(259, 260) == "open"
+    assert seq.to_establish(40, 41, 1000) == next(m for m in range(1, 1000) if seq.verdict(40 + m, 41 + m) != "open")
 
 
 def test_value_sets():
@@ -365,12 +370,14 @@ def test_pairs_prefilled_as_one_batch_give_the_one_by_one_decisions(model):
     pairs; kvprobe.calibrate.batch), and their reads as few forwards (field_only's recompute fused with its read),
     against one by one (pair_batch=1): the same pairs, the same rows, every
     decision the same and every margin within 1e-4 (float32; a sliding-window family too); each old cache and
-    oracle state equals a one-by-one prefill's within 1e-4."""
+    oracle state equals a one-by-one prefill's within 1e-4 (the oracle read in the batch's reads: its decision
+    logits)."""
     from kvprobe.calibrate.batch import PairStates
     from kvprobe.calibrate.engine import SharedPrefix, _pairs, aligned_pair
     from kvprobe.editor.strategies import PrefixOracle, apply
     from kvprobe.editor.context import EditContext
     from kvprobe.kv import cache as kvcache
+    from kvprobe.kv.decode import decide
 
     lm = kvprobe.load(model)
     spec = load_spec(TOY_SPEC)
@@ -388,34 +395,47 @@ def test_pairs_prefilled_as_one_batch_give_the_one_by_one_decisions(model):
     pairs = [(k, aligned_pair(lm, spec, name, base, new)) for k, (base, new) in _pairs(spec, name, 3, 5)]
     prefix = SharedPrefix(lm)
     prefix.old_cache(pairs[0][1].ids_old[: pairs[0][1].decision_pos])  # the first prompt sets the prefix
-    states = PairStates(lm, prefix, 4)
-    for k, pair in pairs[1:]:
-        got, old_one = states.get(k, iter(pairs[1:])), SharedPrefix(lm).old_cache(pair.ids_old[: pair.decision_pos])
-        assert got[0] is pair
-        for (k1, v1), (k2, v2) in zip(kvcache.to_tensors(got[1]), kvcache.to_tensors(old_one)):
-            assert k1.shape == k2.shape and torch.allclose(k1, k2, atol=1e-4) and torch.allclose(v1, v2, atol=1e-4)
-        want = apply(EditContext(lm, pair, old_one), PrefixOracle())
-        for (k1, v1), (k2, v2) in zip(kvcache.to_tensors(got[2].cache), kvcache.to_tensors(want.cache)):
-            assert k1.shape == k2.shape and torch.allclose(k1, k2, atol=1e-4) and torch.allclose(v1, v2, atol=1e-4)
-        assert (got[2].tail_ids, got[2].recomputed, got[2].ids) == (want.tail_ids, want.recomputed, want.ids)
-    assert (states.computed, states.used, states.unused) == (4, 4, 0)
+    for reads in (True, False):  # the oracle read in the reads' forward, or prefilled as a cache of its own
+        states = PairStates(lm, prefix, 4, reads=reads)
+        for k, pair in pairs[1:]:
+            got, old_one = states.get(k, iter(pairs[1:])), SharedPrefix(lm).old_cache(pair.ids_old[: pair.decision_pos])
+            assert got[0] is pair
+            for (k1, v1), (k2, v2) in zip(kvcache.to_tensors(got[1]), kvcache.to_tensors(old_one)):
+                assert k1.shape == k2.shape and torch.allclose(k1, k2, atol=1e-4) and torch.allclose(v1, v2, atol=1e-4)
+            want = apply(EditContext(lm, pair, old_one), PrefixOracle())
+            if reads:
+                assert got[2].cache is None and got[3]["oracle"][0] is got[2]
+                assert float((got[3]["oracle"][1][0] - decide(lm, want)[0]).abs().max()) < 1e-4
+            else:
+                for (k1, v1), (k2, v2) in zip(kvcache.to_tensors(got[2].cache), kvcache.to_tensors(want.cache)):
+                    assert k1.shape == k2.shape
+                    assert torch.allclose(k1, k2, atol=1e-4) and torch.allclose(v1, v2, atol=1e-4)
+            assert (got[2].tail_ids, got[2].recomputed, got[2].ids) == (want.tail_ids, want.recomputed, want.ids)
+        assert (states.computed, states.used, states.unused) == (4, 4, 0)
 
 
-def test_states_computed_past_a_verdict_are_counted_unused_never_scored(toy):
+def test_states_computed_past_a_verdict_are_counted_unused_never_scored(toy, monkeypatch):
     """The stopping rule reads the pairs one by one in draw order; a batch computes the states of the next 4
     pairs ahead, and those of pairs past a field's last are dropped: counted in states_unused and the manifest,
-    never in the rows. Three fields of at most 3 pairs: the first field's first pair sets the shared prefix
-    (alone), a batch then takes its pairs 2-5 (2 unused); each other field's batch takes pairs 1-4 (1 unused)."""
+    never in the rows. A batch ends at the earliest pair the field could stop at (its budget here), so none is
+    computed past it; a stop no count foresees (a last candidate ruled out) is emulated by batches that ignore it.
+    Three fields of at most 3 pairs: the first field's first pair sets the shared prefix (alone), a batch then
+    takes its pairs 2-5 (2 unused); each other field's batch takes pairs 1-4 (1 unused)."""
     cal = calibrate(toy, TOY_SPEC, max_pairs=3)
-    assert all(res.pairs + res.skipped == 3 for res in cal.fields)
-    assert cal.states_unused == 4 and cal.pair_batch == 4
-    assert len(cal.rows.groupby(["field", "old_value", "new_value", "others"])) == 9
+    assert cal.states_unused == 0 and cal.pair_batch == 4
+    monkeypatch.setattr(Sequence, "to_establish", lambda self, k, n, limit: 4)
+    blind = calibrate(toy, TOY_SPEC, max_pairs=3)
+    assert all(res.pairs + res.skipped == 3 for res in blind.fields)
+    assert blind.states_unused == 4 and blind.pair_batch == 4
+    assert len(blind.rows.groupby(["field", "old_value", "new_value", "others"])) == 9
+    same = ["field", "old_value", "new_value", "others", "strategy", "pred", "reference", "agree"]
+    assert blind.rows[same].equals(cal.rows[same]) and (blind.rows.margin - cal.rows.margin).abs().max() < 1e-4
 
 
 def test_a_candidate_measured_back_on_kept_states_gives_the_recomputed_rows(toy, tmp_path):
     """Issue 54: a candidate joining the chain is measured back over the pairs so far on the states their batch
-    computed (kept, not prefilled again): the same rows as measuring it back one by one (pair_batch=1, each pair's
-    old cache and oracle prefilled again), every decision the same and every margin within 1e-4 (float32). Once
+    computed (kept, not prefilled again; its reads a batch of pairs at a time): the same rows as measuring it back
+    one by one (pair_batch=1, each pair's old cache and oracle prefilled again), every decision the same and every margin within 1e-4 (float32). Once
     the last candidate is in play nothing is kept (none can join)."""
     data = yaml.safe_load(open(TOY_SPEC))
     data["fields"] = {"subscription_tier": data["fields"]["subscription_tier"]}
@@ -428,6 +448,8 @@ def test_a_candidate_measured_back_on_kept_states_gives_the_recomputed_rows(toy,
     nb = res.counts["cacheblend:0.15"][1]
     # the first pair sets the shared prefix (measured alone, so recomputed); the others were kept
     assert 0 < nb < 30 and runs[0].states_reused == nb - 1 and runs[1].states_reused == 0
+    # read back a batch of pairs at a time (4 kept pairs' field_only reads here), none alone
+    assert (runs[0].rows[runs[0].rows.strategy == "field_only"].read_batch > 1).all()
     keys = ["field", "old_value", "new_value", "others", "strategy"]
     a, b = (c.rows.sort_values(keys).reset_index(drop=True) for c in runs)
     assert list(a[keys].itertuples(index=False)) == list(b[keys].itertuples(index=False))

@@ -15,9 +15,10 @@ from tests.conftest import ids_of, tiny_model
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma2", "tiny-gemma3", "tiny-qwen2_vl", "tiny-deepseek_v3"])
 def test_ragged_reads_are_each_read_alone_and_a_fused_recompute_is_the_repaired_read(model):
     """Caches of 9, 14 and 20 tokens; tails of 1, 3 and 6 tokens; two reads that recompute positions (one of them
-    three apart) with the decision token: each logit vector within 1e-4 of its read alone (float32), the fused
-    ones of reading the cache :func:`states.recomputed` builds. A sliding window (16 tokens in tiny-gemma2 and tiny-gemma3), a softcap
-    (gemma2), M-RoPE (qwen2_vl) and a single latent head (deepseek_v3's MLA) included."""
+    three apart) with the decision token; two prefix oracles (a new suffix fed over the entries it replaces, hidden);
+    the reads of each cache in one row: each logit vector within 1e-4 of its read alone (float32), the fused
+    ones of reading the cache :func:`states.recomputed` builds. A sliding window (16 tokens in tiny-gemma2 and
+    tiny-gemma3), a softcap (gemma2), M-RoPE (qwen2_vl) and a single latent head (deepseek_v3's MLA) included."""
     lm = tiny_model(model)
     vocab = lm.model.get_input_embeddings().num_embeddings
     ids = [ids_of(n, vocab, seed=n)[0].tolist() for n in (9, 14, 20)]
@@ -37,7 +38,17 @@ def test_ragged_reads_are_each_read_alone_and_a_fused_recompute_is_the_repaired_
         decision = tails[0][0]
         reads.append(Read(c, [new[p] for p in positions] + [decision], positions + [len(x)], positions))
         want.append(decide(lm, Edited(states.recomputed(lm, c, new, positions), [decision], 0, len(x) + 1))[0])
-    got = decide_ragged(lm, reads)
+    for c, x, f0 in ((caches[0], ids[0], 3), (caches[2], ids[2], 11)):  # a prefix oracle: the entries from f0 hidden
+        new = [(t + 3) % vocab if p >= f0 else t for p, t in enumerate(x)] + [tails[0][0]]
+        reads.append(Read(c, new[f0:], list(range(f0, len(new))), list(range(f0, len(x)))))
+        want.append(decide(lm, Edited(kvcache.crop(c, f0), new[f0:], 0, len(new)))[0])
+    rows = []
+    forward = kvcache.masked_forward
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kvcache, "masked_forward",
+                   lambda lm, ids, *a, **k: rows.append(ids.shape[0]) or forward(lm, ids, *a, **k))
+        got = decide_ragged(lm, reads)
+    assert rows == [3]  # the reads of one cache share its row
     worst = max(float((g - w).abs().max()) for g, w in zip(got, want))
     assert worst < 1e-4, worst
     assert decide_ragged(lm, []) == []

@@ -4,14 +4,21 @@ A pair computes two prefills before any repair: its old prompt's cache from the 
 state, which every candidate repairs) and its new prompt from the field on (the prefix oracle). Pairs drawn for
 one field are independent, so :class:`PairStates` computes both for the next ``size`` drawn pairs at once: the
 old prompts' suffixes right-padded to the longest and prefilled as one batch on copies of the shared prefix's
-cache, then the oracles' suffixes the same way, batched among the pairs whose field starts at the same token
-(their caches up to it have one length). A right pad changes no real token's keys or values (attention is
-causal), and each row's cache is cut to its own length, so a pair's states are those of a prefill one by one up
-to float rounding (tests/calibrate compares the decisions of the two paths). On the Zen 4 of docs/calibrate.md a
-batch of 4 costs 0.65-0.85 of the pairs one by one (``benchmarks/suffix_batch.py``).
+cache. A right pad changes no real token's keys or values (attention is causal), and each row's cache is cut to
+its own length, so a pair's states are those of a prefill one by one up to float rounding (tests/calibrate
+compares the decisions of the two paths). On the Zen 4 of docs/calibrate.md a batch of 4 costs 0.65-0.85 of the
+pairs one by one (``benchmarks/suffix_batch.py``).
+
+The reads then take one more forward for the whole batch (:func:`kvprobe.kv.decode.decide_ragged`, each pair's
+reads in one row over its old cache): stale's decision token; the prefix oracle, the new prompt from the field on
+over the old entries it replaces (hidden), so the oracle's prefill and its read are one read; and the candidate's
+(field_only's recompute fused with its read, an erratum's turn). Without reads (``reads=False``) the oracles'
+suffixes are prefilled as caches of their own, batched among the pairs whose field starts at the same token.
 
 The stopping rule still reads the pairs one by one in draw order: the states are computed ahead, and those of
-pairs past the field's verdict are never measured nor counted (:attr:`PairStates.unused` counts them).
+pairs past the field's verdict are never measured nor counted (:attr:`PairStates.unused` counts them). A batch
+ends at the earliest pair at which the field could stop (``get``'s ``limit``: its candidate established by an
+unbroken run, or its budget), so states go unused only where a stop came that no count foresaw.
 
 A measured pair's states are also kept (:meth:`PairStates.keep`, up to :data:`KEEP_BYTES` of caches a field) while
 the chain may still bring a candidate in: the candidate joining is then measured back over those pairs on their
@@ -21,7 +28,6 @@ kept states (the repair and its read only), where it used to prefill each pair's
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from itertools import islice
 
 import torch
@@ -97,7 +103,7 @@ class PairStates:
         (a pair past it is prefilled again if a candidate is measured back on it)."""
         if states is None:
             return
-        size = kvcache.nbytes(states[1]) + kvcache.nbytes(states[2].cache)
+        size = kvcache.nbytes(states[1]) + (kvcache.nbytes(states[2].cache) if states[2].cache is not None else 0)
         if self.kept_bytes + size <= KEEP_BYTES:
             self.kept[key], self.kept_bytes = states, self.kept_bytes + size
 
@@ -112,9 +118,12 @@ class PairStates:
         self.kept.clear()
         self.kept_bytes = 0
 
-    def get(self, key: str, ahead, strategies=()):
+    def get(self, key: str, ahead, strategies=(), limit: int | None = None):
+        """``limit``: at most this many pairs from ``key`` on (the pairs up to the earliest the field could stop at:
+        none is computed past it only to go unused)."""
         if key not in self.ready:
-            self._compute(list(islice(((k, a) for k, a in ahead if a is not None and k not in self.ready), self.size)),
+            size = self.size if limit is None else max(1, min(self.size, limit))
+            self._compute(list(islice(((k, a) for k, a in ahead if a is not None and k not in self.ready), size)),
                           strategies)
         got = self.ready.pop(key, None)
         self.used += got is not None
@@ -130,64 +139,109 @@ class PairStates:
             base = self.prefix.crop_to(n)
             caches = _suffix_batch(lm, [base] * len(pairs), [ids[n:] for ids in olds])
             self.prefix.tokens_saved += n * len(pairs)
-            groups: dict[int, list[int]] = {}
-            for i, (_, a) in enumerate(pairs):
-                groups.setdefault(a.field[0], []).append(i)
-            oracles: dict[int, Edited] = {}
-            for f0, rows in groups.items():
-                t0 = time.perf_counter()
-                fixed = _suffix_batch(lm, [kvcache.crop(caches[i], f0) for i in rows],
-                                      [pairs[i][1].ids_new[f0: pairs[i][1].decision_pos] for i in rows])
-                share = (time.perf_counter() - t0) / len(rows)
-                for i, cache in zip(rows, fixed):
-                    a = pairs[i][1]
-                    D = a.decision_pos
-                    oracles[i] = Edited(cache, [a.ids_new[D]], D - f0, D + 1, wall_s=share, ids=a.ids_new[: D + 1])
-            given = self._read(pairs, caches, oracles, strategies) if self.reads else [{} for _ in pairs]
+            if self.reads:  # each oracle is one of the batch's reads
+                given = self._read(pairs, caches, strategies)
+                oracles = [g["oracle"][0] for g in given]
+            else:
+                given, oracles = [{} for _ in pairs], self._oracles(pairs, caches)
         for i, (key, a) in enumerate(pairs):
             self.ready[key] = (a, caches[i], oracles[i], given[i])
         self.computed += len(pairs)
 
-    def _read(self, pairs: list, caches: list, oracles: dict, strategies) -> list[dict]:
-        """Each pair's stale, oracle and ``strategies`` reads, as few forwards (:func:`decide_ragged`): the one-token
-        reads together, the longer ones (a repair in place fused with its read, an erratum's tail) together. A
-        strategy that refuses a pair is left to the pair's measurement (its error row).
+    def _oracles(self, pairs: list, caches: list) -> list[Edited]:
+        """Each pair's prefix oracle as a cache of its own: the new prompts' suffixes from the field on, prefilled
+        as one batch among the pairs whose field starts at the same token (their caches up to it have one length)."""
+        groups: dict[int, list[int]] = {}
+        for i, (_, a) in enumerate(pairs):
+            groups.setdefault(a.field[0], []).append(i)
+        oracles: dict[int, Edited] = {}
+        for f0, rows in groups.items():
+            t0 = time.perf_counter()
+            fixed = _suffix_batch(self.lm, [kvcache.crop(caches[i], f0) for i in rows],
+                                  [pairs[i][1].ids_new[f0: pairs[i][1].decision_pos] for i in rows])
+            share = (time.perf_counter() - t0) / len(rows)
+            for i, cache in zip(rows, fixed):
+                a = pairs[i][1]
+                D = a.decision_pos
+                oracles[i] = Edited(cache, [a.ids_new[D]], D - f0, D + 1, wall_s=share, ids=a.ids_new[: D + 1])
+        return [oracles[i] for i in range(len(pairs))]
 
-        What a read would cost alone, its row's ``decide_s`` (and a fused repair's ``wall_s``), is estimated from the
-        forward it shared: one pass over the weights, :attr:`single_s` (a one-token read timed alone once, the
-        better of two), plus its tokens at that forward's time per token past that pass. A fused field_only is
-        costed as deployed, its recompute (its field tokens) then its read (one token): two passes."""
+    def _read(self, pairs: list, caches: list, strategies) -> list[dict]:
+        """Each pair's stale, oracle and ``strategies`` reads as one forward (:func:`decide_ragged`), a pair's reads in
+        one row over its old cache: the oracle fused with its read (its suffix over the old entries from the field
+        on, hidden), a repair in place fused with its read, an erratum's turn over the old entries it keeps (the
+        others hidden, :func:`_on`). A strategy that refuses a pair is left to the pair's measurement (its error row).
+
+        What a read would cost alone, its row's ``decide_s`` (and a fused repair's or the oracle's ``wall_s``), is
+        estimated from the forward it shared: one pass over the weights, :attr:`single_s` (a one-token read timed
+        alone once, the better of two), plus its tokens at that forward's time per token past that pass. A fused
+        repair is costed as deployed, its recompute (its tokens before the decision's) then its read (one token):
+        two passes; so is the oracle, its prefill from the field on and its read."""
         entries = []  # (pair index, label, Edited, Read)
         for i, (_, a) in enumerate(pairs):
-            ctx = EditContext(self.lm, a, caches[i])
+            ctx, D, f0 = EditContext(self.lm, a, caches[i]), a.decision_pos, a.field[0]
             stale = apply(ctx, Stale())
-            entries += [(i, "stale", stale, Read.of(stale)), (i, "oracle", replace(oracles[i], wall_s=0.0),
-                                                              Read.of(oracles[i]))]
-            for s in strategies:
-                try:
-                    s.check(self.lm, a)
-                    fused = s.fused(ctx)
-                    if fused is None:
-                        edited = apply(ctx, s)
-                        fused = edited, Read.of(edited)
-                except KvprobeError:
-                    continue
-                entries.append((i, s.label, *fused))
+            # the prefix oracle fused with its read: the new prompt from the field on, over the old entries it replaces
+            oracle = (Edited(None, [a.ids_new[D]], D - f0, D + 1, ids=a.ids_new[: D + 1]),
+                      Read(caches[i], a.ids_new[f0: D + 1], list(range(f0, D + 1)), list(range(f0, D))))
+            entries += [(i, "stale", stale, Read.of(stale)), (i, "oracle", *oracle),
+                        *self._entries(i, ctx, strategies)]
         if self.single_s is None:
             self.single_s = min(timed_read(self.lm, entries[0][2])[1] for _ in range(2))
         given: list[dict] = [{} for _ in pairs]
-        for one_token in (True, False):
-            group = [e for e in entries if (len(e[3].ids) == 1) == one_token]
-            if not group:
-                continue
-            start = time.perf_counter()
-            logits = decide_ragged(self.lm, [e[3] for e in group])
-            elapsed = time.perf_counter() - start
-            per_token = max(0.0, elapsed - self.single_s) / sum(len(e[3].ids) for e in group)
-            for (i, label, edited, read), g in zip(group, logits):
-                if edited.cache is None:  # fused: the recompute of its field tokens, then a one-token read
-                    edited.wall_s = self.single_s + per_token * (len(read.ids) - 1)
-                    given[i][label] = (edited, (g, self.single_s + per_token, len(group)))
-                else:
-                    given[i][label] = (edited, (g, self.single_s + per_token * len(read.ids), len(group)))
+        self._decide(entries, given)
         return given
+
+    def _entries(self, i: int, ctx: EditContext, strategies) -> list[tuple]:
+        """(i, label, Edited, Read) for each of ``strategies`` that takes the pair: its repair fused with its read
+        where it can be, else applied and read over the pair's old cache (:func:`_on`)."""
+        out = []
+        for s in strategies:
+            try:
+                s.check(self.lm, ctx.a)
+                fused = s.fused(ctx)
+                if fused is None:
+                    edited = apply(ctx, s)
+                    fused = edited, _on(Read.of(edited), ctx.old_cache)
+            except KvprobeError:
+                continue
+            out.append((i, s.label, *fused))
+        return out
+
+    def _decide(self, entries: list[tuple], given: list[dict]) -> None:
+        """``entries`` read as one forward, each into ``given[i][label]`` with its estimated cost (:meth:`_read`)."""
+        if not entries:
+            return
+        start = time.perf_counter()
+        logits = decide_ragged(self.lm, [e[3] for e in entries])
+        elapsed = time.perf_counter() - start
+        per_token = max(0.0, elapsed - self.single_s) / sum(len(e[3].ids) for e in entries)
+        for (i, label, edited, read), g in zip(entries, logits):
+            if edited.cache is None:  # fused: its recompute (the tokens before the decision's), then a one-token read
+                edited.wall_s = self.single_s + per_token * (len(read.ids) - 1)
+                given[i][label] = (edited, (g, self.single_s + per_token, len(entries)))
+            else:
+                given[i][label] = (edited, (g, self.single_s + per_token * len(read.ids), len(entries)))
+
+    def read_back(self, keys, strategy) -> None:
+        """A candidate joining the chain read on the kept and the ready pairs among ``keys`` (those without its read),
+        ``size`` pairs a forward, into their states' reads: its measurement back over them then reads nothing."""
+        if not self.reads or self.single_s is None:
+            return
+        held = [self.kept.get(k) or self.ready.get(k) for k in keys]
+        held = [st for st in held if st is not None and strategy.label not in st[3]]
+        with self.lm.lock:
+            for lo in range(0, len(held), self.size):
+                chunk = held[lo: lo + self.size]
+                entries = [e for j, st in enumerate(chunk)
+                           for e in self._entries(j, EditContext(self.lm, st[0], st[1]), [strategy])]
+                self._decide(entries, [st[3] for st in chunk])
+
+
+def _on(read: Read, old) -> Read:
+    """``read`` over the pair's old cache where its own is a crop of it (an erratum's: the entries past the crop
+    hidden), so that it shares the old cache's row of the forward; else as it is."""
+    if read.cache is old or not kvcache.is_prefix_view(read.cache, old):
+        return read
+    n, D = kvcache.seq_len(read.cache), kvcache.seq_len(old)
+    return Read(old, read.ids, read.positions, sorted({*read.hidden, *range(n, D)}))

@@ -135,7 +135,7 @@ def measure_pair(lm, spec: CalibrationSpec, name: str, base: dict[str, str], new
     cost less on this machine (``batch_reads`` None; True or False force it: the same decisions up to float
     rounding, :func:`kvprobe.editor.score.read_states`). ``states`` = (aligned case, old cache, prefix oracle, reads)
     are the pair's, computed beforehand with other pairs' (:class:`kvprobe.calibrate.batch.PairStates`; ``reads``:
-    measure_strategies' ``given``); the oracle's row then counts its share of that batch's time."""
+    measure_strategies' ``given``); the oracle's row then counts its cost as :class:`PairStates` estimated it."""
     from kvprobe.calibrate.batch import given
     from kvprobe.editor.context import EditContext, make_context
     from kvprobe.editor.score import measure_strategies
@@ -160,13 +160,11 @@ def measure_pair(lm, spec: CalibrationSpec, name: str, base: dict[str, str], new
         D = a.decision_pos
         read = {}
         if states is not None:
-            ec, orc, share = EditContext(lm, a, states[1]), given(states[2]), states[2].wall_s
-            read = states[3]
+            ec, orc, read = EditContext(lm, a, states[1]), given(states[2]), states[3]
         else:
             ec = (EditContext(lm, a, prefix.old_cache(a.ids_old[:D])) if prefix is not None else make_context(lm, a))
-            orc, share = PrefixOracle() if oracle == "prefix" else Oracle(), 0.0
+            orc = PrefixOracle() if oracle == "prefix" else Oracle()
         df = measure_strategies(lm, a, typed, ctx=ec, oracle=orc, batch_reads=batch_reads, given=read)
-    df.loc[df.strategy == "oracle", "wall_s"] += share  # its part of the batch that computed it
     stale = df.loc[df.strategy == "stale", "pred"].iloc[0]
     df.insert(0, "field", name)
     for i, (k, v) in enumerate(head.items()):
@@ -301,7 +299,10 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
 
         def batched(ctx, item, one=one, ahead=ahead, res=res):
             key, _, cand = item
-            states = batcher.get(key, ahead(key), measured(cand))
+            # the field stops once the first candidate still live is established: no states past the earliest pair
+            # at which it could be (they would go unused)
+            limit = seq.to_establish(*res.counts[_in_play(res, seq, candidates)], max_pairs - res.pairs)
+            states = batcher.get(key, ahead(key), measured(cand), limit)
             if chain and _in_play(res, seq, candidates) != candidates[-1]:  # a candidate may still join
                 batcher.keep(key, states)
             return one(ctx, item, states=states)
@@ -329,9 +330,11 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
                 out = candidates[candidates.index(cand) - 1]
                 say(f"{res.name}: {out} ruled out ({res.counts[out][0]} of {res.counts[out][1]} pairs agree); {cand} "
                     f"joins, measured back over the {res.pairs} pairs so far")
-                for key in list(counted):
-                    if cand not in counted[key]:
-                        count(key, cand)
+                back = [key for key in counted if cand not in counted[key]]
+                if batcher is not None:  # read it on the kept pairs and those computed ahead, a batch at a time
+                    batcher.read_back([*back, *batcher.ready], typed[cand])
+                for key in back:
+                    count(key, cand)
                 if batcher is not None and cand == candidates[-1]:
                     batcher.release()  # the last candidate: none will be measured back
             return True

@@ -92,6 +92,14 @@ def crop(cache: DynamicCache, length: int) -> DynamicCache:
     return from_tensors([(k[:, :, :length], v[:, :, :length]) for k, v in to_tensors(cache)])
 
 
+def is_prefix_view(cache: DynamicCache, base: DynamicCache) -> bool:
+    """Whether ``cache`` is ``base``'s first entries as views of its own tensors (what :func:`crop` gives)."""
+    if n_layers(cache) != n_layers(base) or seq_len(cache) > seq_len(base):
+        return False
+    return all(t.data_ptr() == u.data_ptr() and t.stride() == u.stride()
+               for (k, v), (bk, bv) in zip(to_tensors(cache), to_tensors(base)) for t, u in ((k, bk), (v, bv)))
+
+
 def select(cache: DynamicCache, positions: torch.Tensor | list[int]) -> DynamicCache:
     """A new cache holding only the given positions, in the given order."""
     idx = torch.as_tensor(positions, dtype=torch.long)
@@ -228,8 +236,8 @@ def masked_forward(lm, input_ids: torch.Tensor, cache: DynamicCache, positions: 
 
     input_ids, positions: (B, S); key_positions: (B, N) or (N,) RoPE positions of the cache
     entries (default: their indices); visible: (B, S, N) bool, which cache entries each new token
-    may attend to (default: all, subject to causality by position). The new tokens' K/V are
-    appended to ``cache`` in place, at indices N..N+S-1. The tensors go to the model's input device
+    may attend to (default: all, subject to causality by position); (B, S, N + S): and which new
+    tokens. The new tokens' K/V are appended to ``cache`` in place, at indices N..N+S-1. The tensors go to the model's input device
     (``lm.model.device``; a no-op on cpu). ``columns``: as in :func:`forward`.
 
     ``rope_positions``: the positions the model rotates by, where they are not ``positions``: an

@@ -181,19 +181,38 @@ def decide_ragged(lm, reads: Sequence[Read]) -> list[torch.Tensor]:
     """The decision logits (V,) of each of ``reads`` (caches and tails of any lengths), as one forward: the
     caches padded on the left (:func:`kvprobe.kv.cache.left_pad`, a copy: every input cache is left as it
     was), the tails too, each padding token at a position no real token reaches, each row's hidden entries
-    masked. The same logits as reading each alone, up to float rounding; one pass over the weights."""
+    masked. Reads of one cache object share its row: their tokens one after another, none seeing another's, so
+    they cost their own tokens, not a padded row each. The same logits as reading each alone, up to float
+    rounding; one pass over the weights."""
     if not reads:
         return []
-    cache, key_pos = kvcache.left_pad([r.cache for r in reads])
-    B, S, N = len(reads), max(len(r.ids) for r in reads), key_pos.shape[1]
+    rows: dict[int, list[int]] = {}
+    for j, r in enumerate(reads):
+        rows.setdefault(id(r.cache), []).append(j)
+    groups = list(rows.values())
+    cache, key_pos = kvcache.left_pad([reads[g[0]].cache for g in groups])
+    width = [sum(len(reads[j].ids) for j in g) for g in groups]
+    B, S, N, K = len(groups), max(width), key_pos.shape[1], max(map(len, groups))
     ids = torch.zeros(B, S, dtype=torch.long)
     pos = torch.full((B, S), kvcache.HIDDEN_POSITION, dtype=torch.long)
+    segment = torch.full((B, S), -1)  # which read of its row a token is (-1: padding)
     visible = torch.ones(B, S, N, dtype=torch.bool)
-    for b, r in enumerate(reads):
-        ids[b, S - len(r.ids):] = torch.tensor(r.ids)
-        ids[b, : S - len(r.ids)] = r.ids[0]  # padding: a real id, at a position no real token sees
-        pos[b, S - len(r.ids):] = torch.tensor(r.positions)
-        if r.hidden:
-            visible[b, :, N - kvcache.seq_len(r.cache) + torch.tensor(r.hidden)] = False
-    out = kvcache.masked_forward(lm, ids, cache, pos, key_pos, visible=visible, logits_to_keep=1)
-    return list(out.logits[:, -1])
+    ends = torch.zeros(B, K, dtype=torch.long)  # each read's last token (a row's last repeated to K)
+    for b, g in enumerate(groups):
+        start, n = S - width[b], kvcache.seq_len(reads[g[0]].cache)
+        ids[b, :start] = reads[g[0]].ids[0]  # padding: a real id, at a position no real token sees
+        for s, j in enumerate(g):
+            r, end = reads[j], start + len(reads[j].ids)
+            ids[b, start:end], pos[b, start:end] = torch.tensor(r.ids), torch.tensor(r.positions)
+            segment[b, start:end] = s
+            if r.hidden:
+                visible[b, start:end, N - n + torch.tensor(r.hidden)] = False
+            ends[b, s:] = end - 1
+            start = end
+    visible = torch.cat([visible, segment[:, :, None] == segment[:, None, :]], dim=2)
+    logits = kvcache.masked_forward(lm, ids, cache, pos, key_pos, visible=visible, logits_to_keep=ends).logits
+    out: list[torch.Tensor] = [None] * len(reads)  # type: ignore[list-item]
+    for b, g in enumerate(groups):
+        for s, j in enumerate(g):
+            out[j] = logits[b, s]
+    return out

@@ -22,7 +22,8 @@ def additive_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, visible: torch.Tenso
                   window: int | None, dtype: torch.dtype) -> torch.Tensor:
     """The (B, 1, S, N + S) additive mask for queries at ``q_pos`` (B, S) over cache ``k_pos`` (B, N).
 
-    ``visible`` (B, S, N) bool restricts which cache entries each query may see (None: all).
+    ``visible`` (B, S, N) bool restricts which cache entries each query may see (None: all); (B, S, N + S)
+    restricts the new tokens too (each still sees only positions up to its own).
     """
     B, S = q_pos.shape
     assert k_pos.shape[0] == B, (k_pos.shape, q_pos.shape)
@@ -30,8 +31,8 @@ def additive_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, visible: torch.Tenso
     allowed = all_k[:, None, :] <= q_pos[:, :, None]  # (B, S, N + S)
     if visible is not None:
         N = k_pos.shape[1]
-        assert visible.shape == (B, S, N), (visible.shape, (B, S, N))
-        allowed[:, :, :N] &= visible
+        assert visible.shape in ((B, S, N), (B, S, N + S)), (visible.shape, (B, S, N))
+        allowed[:, :, : visible.shape[2]] &= visible
     if window is not None:
         allowed &= all_k[:, None, :] > q_pos[:, :, None] - window
     mask = torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device)

@@ -107,6 +107,11 @@ class Sequence:
             return 1.0
         return float(beta.isf(self.spent_upper(n), k + 1, n - k))
 
+    def to_establish(self, k: int, n: int, limit: int) -> int:
+        """How many more pairs, every one agreeing, establish a repair at ``k`` agreements in ``n`` pairs: the
+        earliest pair at which its stream could stop (``limit``, the pairs left in the budget, where none does)."""
+        return next((m for m in range(1, limit) if self.verdict(k + m, n + m) == "established"), max(1, limit))
+
     def verdict(self, k: int, n: int) -> str:
         """``established``, ``ruled out`` or ``open`` after ``k`` agreements in ``n`` pairs."""
         if clears(self.lower(k, n), self.threshold):
