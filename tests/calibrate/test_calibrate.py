@@ -224,8 +224,9 @@ def test_calibrate_command_writes_a_policy_and_resumes_with_a_larger_budget(tmp_
     first = cli("calibrate", TOY_SPEC, "--model", "toy-qwen2", "--max-pairs", "2", "--out", out)
     assert first.returncode == 1, first.stderr[-2000:]  # no verdict within 2 pairs: said, exit 1
     assert "no verdict within 2 pairs" in first.stderr
-    # after the first pair, what the whole template will cost at that rate (62 pairs a field settled, 2 at most)
-    assert "the template's 3 fields take about" in first.stderr and "if each is settled at 2 pairs" in first.stderr
+    # after the first batch of pairs (both here), what the whole template will cost at that rate (2 pairs at most)
+    assert "the first 2 pairs took" in first.stderr and "the template's 3 fields take about" in first.stderr
+    assert "if each is settled at 2 pairs" in first.stderr
     policy = yaml.safe_load((out / "field_policy.yaml").read_text())
     assert policy["kvprobe_field_policy"] == 4 and set(policy["fields"]) == {"subscription_tier", "timestamp",
                                                                               "request_id"}
@@ -235,7 +236,7 @@ def test_calibrate_command_writes_a_policy_and_resumes_with_a_larger_budget(tmp_
     rows = pd.read_parquet(out / "calibration.parquet")
     again = cli("calibrate", TOY_SPEC, "--model", "toy-qwen2", "--max-pairs", "3", "--out", out)
     assert again.returncode == 1, again.stderr[-2000:]
-    assert "the first pair took" not in again.stderr  # a resumed first pair took nothing: no projection from it
+    assert "fields take about" not in again.stderr  # resumed first pairs took nothing: no projection from them
     more = pd.read_parquet(out / "calibration.parquet")
     keep = ["field", "old_value", "new_value", "strategy", "pred", "reference"]
     first_pairs = more.merge(rows[keep], on=keep, how="inner")
@@ -312,6 +313,8 @@ def test_calibrate_says_what_the_template_costs_and_when_bfloat16_is_emulated(mo
 
     line = cli_calibrate.projection(2.0, 3, 62, 200)
     assert "2.0 s" in line and "about 6 min if each is settled at 62 pairs" in line and "at most 20 min" in line
+    line = cli_calibrate.projection(1.1, 3, 62, 100, first=4)  # the first batch of pairs, computed together
+    assert line.startswith("the first 4 pairs took 1.1 s a pair") and "about 3 min if each is settled at 62" in line
     monkeypatch.setattr("kvprobe.hardware.native_bf16", lambda: False)
     note = cli_calibrate.bf16_note("bfloat16", "cpu")
     assert note.startswith("note: this CPU has no native bfloat16") and "--dtype float32" in note
@@ -419,14 +422,14 @@ def test_states_computed_past_a_verdict_are_counted_unused_never_scored(toy, mon
     pairs ahead, and those of pairs past a field's last are dropped: counted in states_unused and the manifest,
     never in the rows. A batch ends at the earliest pair the field could stop at (its budget here), so none is
     computed past it; a stop no count foresees (a last candidate ruled out) is emulated by batches that ignore it.
-    Three fields of at most 3 pairs: the first field's first pair sets the shared prefix (alone), a batch then
-    takes its pairs 2-5 (2 unused); each other field's batch takes pairs 1-4 (1 unused)."""
+    Three fields of at most 3 pairs: each field's batch takes its pairs 1-4 (1 unused; the first also sets the
+    shared prefix)."""
     cal = calibrate(toy, TOY_SPEC, max_pairs=3)
     assert cal.states_unused == 0 and cal.pair_batch == 4
     monkeypatch.setattr(Sequence, "to_establish", lambda self, k, n, limit: 4)
     blind = calibrate(toy, TOY_SPEC, max_pairs=3)
     assert all(res.pairs + res.skipped == 3 for res in blind.fields)
-    assert blind.states_unused == 4 and blind.pair_batch == 4
+    assert blind.states_unused == 3 and blind.pair_batch == 4
     assert len(blind.rows.groupby(["field", "old_value", "new_value", "others"])) == 9
     same = ["field", "old_value", "new_value", "others", "strategy", "pred", "reference", "agree"]
     assert blind.rows[same].equals(cal.rows[same]) and (blind.rows.margin - cal.rows.margin).abs().max() < 1e-4
@@ -435,8 +438,8 @@ def test_states_computed_past_a_verdict_are_counted_unused_never_scored(toy, mon
 def test_a_candidate_measured_back_on_kept_states_gives_the_recomputed_rows(toy, tmp_path):
     """Issue 54: a candidate joining the chain is measured back over the pairs so far on the states their batch
     computed (kept, not prefilled again; its reads a batch of pairs at a time): the same rows as measuring it back
-    one by one (pair_batch=1, each pair's old cache and oracle prefilled again), every decision the same and every margin within 1e-4 (float32). Once
-    the last candidate is in play nothing is kept (none can join)."""
+    one by one (pair_batch=1, each pair's old cache and oracle prefilled again), every decision the same and every
+    margin within 1e-4 (float32). Once the last candidate is in play nothing is kept (none can join)."""
     data = yaml.safe_load(open(TOY_SPEC))
     data["fields"] = {"subscription_tier": data["fields"]["subscription_tier"]}
     data["template"] = data["template"].replace("timestamp: {timestamp}\nrequest_id: {request_id}\n", "")
@@ -446,8 +449,8 @@ def test_a_candidate_measured_back_on_kept_states_gives_the_recomputed_rows(toy,
             for b in (4, 1)]
     (res,) = runs[0].fields
     nb = res.counts["cacheblend:0.15"][1]
-    # the first pair sets the shared prefix (measured alone, so recomputed); the others were kept
-    assert 0 < nb < 30 and runs[0].states_reused == nb - 1 and runs[1].states_reused == 0
+    # every pair's states were kept (the first batch also set the shared prefix)
+    assert 0 < nb < 30 and runs[0].states_reused == nb and runs[1].states_reused == 0
     # read back a batch of pairs at a time (4 kept pairs' field_only reads here), none alone
     assert (runs[0].rows[runs[0].rows.strategy == "field_only"].read_batch > 1).all()
     keys = ["field", "old_value", "new_value", "others", "strategy"]

@@ -64,7 +64,7 @@ def _suffix_batch(lm, bases: list, suffixes: list[list[int]]) -> list:
     width = max(map(len, suffixes))
     ids = torch.tensor([s + [s[-1]] * (width - len(s)) for s in suffixes])
     cache = kvcache.concat(bases, dim="batch")
-    kvcache.forward(lm.model, ids, cache, logits_to_keep=1)
+    kvcache.forward(lm.model, ids, cache, columns=())  # the caches only: no logits (no pass over the LM head)
     n = kvcache.seq_len(bases[0])
     return [kvcache.crop(kvcache.take_rows(cache, [r]), n + len(s)) for r, s in enumerate(suffixes)]
 
@@ -131,14 +131,17 @@ class PairStates:
 
     def _compute(self, pairs: list, strategies=()) -> None:
         olds = [a.ids_old[: a.decision_pos] for _, a in pairs]
+        seeded = bool(olds) and self.prefix.ids is None  # the calibration's first batch: it sets the shared prefix
+        if seeded:
+            self.prefix.seed(olds)
         n = min((self.prefix.shared(ids) for ids in olds), default=0)
-        if n == 0:  # nothing to batch, or no shared prefix yet: measured one by one
+        if n == 0:  # nothing to batch, or prompts that share nothing: measured one by one
             return
         lm = self.lm
         with lm.lock:
             base = self.prefix.crop_to(n)
             caches = _suffix_batch(lm, [base] * len(pairs), [ids[n:] for ids in olds])
-            self.prefix.tokens_saved += n * len(pairs)
+            self.prefix.tokens_saved += n * (len(pairs) - seeded)  # a seeded prefix was prefilled for the batch
             if self.reads:  # each oracle is one of the batch's reads
                 given = self._read(pairs, caches, strategies)
                 oracles = [g["oracle"][0] for g in given]

@@ -70,8 +70,9 @@ class SharedPrefix:
     """The old prompts' common beginning, prefilled once per calibration (a one-entry prefix cache,
     as a serving engine's): every pair's old prompt starts with the template's text before its
     first field, so the cache there is computed once and each pair's old cache continues it. The
-    prefix is the longest common beginning of the prompts seen so far: set by the second prompt and
-    cropped (never recomputed) when a later one shares fewer tokens. ``tokens_saved`` counts the
+    prefix is the longest common beginning of the prompts seen so far: set by the second prompt (or by
+    a first batch of prompts, :meth:`seed`) and cropped (never recomputed) when a later one shares
+    fewer tokens. ``tokens_saved`` counts the
     prompt tokens not prefilled again."""
 
     def __init__(self, lm):
@@ -86,6 +87,18 @@ class SharedPrefix:
         while n < limit and self.ids[n] == ids[n]:
             n += 1
         return n
+
+    def seed(self, prompts: list[list[int]]) -> None:
+        """The prefix before any prompt was seen: the longest common beginning of ``prompts`` (a batch's old
+        prompts; at least one token of each left to run on top of it), prefilled once."""
+        from kvprobe.kv import cache as kvcache
+
+        n = min(map(len, prompts)) - 1
+        for ids in prompts[1:]:
+            n = next((i for i in range(n) if ids[i] != prompts[0][i]), n)
+        if n > 0:
+            self.ids, self.cache = list(prompts[0][:n]), kvcache.prefill(self.lm.model, torch.tensor(prompts[0][:n]),
+                                                                         logits_to_keep=1)[1]
 
     def crop_to(self, n: int):
         """The prefix's cache, first cut to ``n`` tokens where it holds more (and kept so)."""

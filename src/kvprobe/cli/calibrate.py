@@ -42,6 +42,7 @@ def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calib
     that field the oracle).
     """
     from kvprobe import field_policy
+    from kvprobe.calibrate.batch import DEFAULT_PAIR_BATCH
     from kvprobe.calibrate.engine import (CALIBRATE_MANIFEST, CALIBRATION, POLICY_FILE, SUMMARY, load_spec,
                                           calibrate as run_calibration)
     from kvprobe.editor.strategies import parse_strategy
@@ -85,9 +86,9 @@ def calibrate(ctx: typer.Context, spec: Path = typer.Argument(..., help="a calib
             if name not in tasks:  # a field's bar starts with its first pair, so its time left is its own
                 tasks[name] = bar.add_task(f"calibrating {name}", total=max_pairs)
             bar.update(tasks[name], completed=done)
-            if done == 1 and name == first and fresh:  # the first pair: what the whole template will cost
-                each = time.perf_counter() - start
-                err_console.print(projection(each, len(cal_spec.fields), min(first_look, max_pairs), max_pairs),
+            if done == min(DEFAULT_PAIR_BATCH, max_pairs) and name == first and fresh:  # the first batch of pairs
+                each = (time.perf_counter() - start) / done  # (computed together): what the whole template will cost
+                err_console.print(projection(each, len(cal_spec.fields), min(first_look, max_pairs), max_pairs, done),
                                   highlight=False, markup=False, soft_wrap=True)
 
         cal = run_calibration(lm, cal_spec, candidates=specs, threshold=threshold, max_pairs=max_pairs, seed=seed,
@@ -135,13 +136,15 @@ def bf16_note(dtype: str, device: str) -> str | None:
             f"times slower than float32 here; --dtype float32 is the fast choice on it")
 
 
-def projection(each: float, fields: int, settled: int, max_pairs: int) -> str:
-    """What the whole template will cost at the first pair's rate: each field settled at its first
-    look (``settled`` pairs: the cheapest candidate agreeing on every one), and at most at the budget."""
+def projection(each: float, fields: int, settled: int, max_pairs: int, first: int = 1) -> str:
+    """What the whole template will cost at the rate of its ``first`` pairs (``each`` seconds a pair): each field
+    settled at its first look (``settled`` pairs: the cheapest candidate agreeing on every one), and at most at
+    the budget."""
     def span(s: float) -> str:
         return f"{s / 60:.0f} min" if s >= 90 else f"{s:.0f} s"
 
-    return (f"the first pair took {each:.1f} s (the shared prefix's prefill included): the template's {fields} "
+    took = f"the first pair took {each:.1f} s" if first == 1 else f"the first {first} pairs took {each:.1f} s a pair"
+    return (f"{took} (the shared prefix's prefill included): the template's {fields} "
             f"field{'s' if fields > 1 else ''} take about {span(each * settled * fields)} if each is settled at "
             f"{settled} pairs, at most {span(each * max_pairs * fields)} at --max-pairs {max_pairs} (a field whose "
             f"cheapest candidate is ruled out takes more pairs; a candidate's own cost differs)")

@@ -156,7 +156,7 @@ def forward(model, input_ids: torch.Tensor, cache: DynamicCache | None = None,
     gap in positions (a composed context) is allowed. The ids and positions go to the model's input
     device (``model.device``: the first device of a model spread by a device map; a no-op on cpu).
     With ``columns`` (vocabulary ids) only those logits of the last position are computed
-    (:class:`ColumnLogits`).
+    (:class:`ColumnLogits`); ``columns=()`` computes none (a prefill for its cache alone).
     """
     if cache is None:
         cache = new_cache()
@@ -237,8 +237,8 @@ def masked_forward(lm, input_ids: torch.Tensor, cache: DynamicCache, positions: 
     input_ids, positions: (B, S); key_positions: (B, N) or (N,) RoPE positions of the cache
     entries (default: their indices); visible: (B, S, N) bool, which cache entries each new token
     may attend to (default: all, subject to causality by position); (B, S, N + S): and which new
-    tokens. The new tokens' K/V are appended to ``cache`` in place, at indices N..N+S-1. The tensors go to the model's input device
-    (``lm.model.device``; a no-op on cpu). ``columns``: as in :func:`forward`.
+    tokens. The new tokens' K/V are appended to ``cache`` in place, at indices N..N+S-1. The tensors
+    go to the model's input device (``lm.model.device``; a no-op on cpu). ``columns``: as in :func:`forward`.
 
     ``rope_positions``: the positions the model rotates by, where they are not ``positions``: an
     M-RoPE model's (3, B, S) ids (docs/architectures.md), whose image tokens share positions; the
