@@ -72,8 +72,7 @@ class SharedPrefix:
     first field, so the cache there is computed once and each pair's old cache continues it. The
     prefix is the longest common beginning of the prompts seen so far: set by the second prompt (or by
     a first batch of prompts, :meth:`seed`) and cropped (never recomputed) when a later one shares
-    fewer tokens. ``tokens_saved`` counts the
-    prompt tokens not prefilled again."""
+    fewer tokens. ``tokens_saved`` counts the prompt tokens not prefilled again."""
 
     def __init__(self, lm):
         self.lm, self.ids, self.cache, self.tokens_saved = lm, None, None, 0
