@@ -88,7 +88,7 @@ def _alive(pid: int, exec_wait_s: float = 2.0) -> bool:
     except FileNotFoundError:
         return not Path("/proc/self").exists()  # gone while we looked; with no /proc, trust the signal
     except OSError:
-        return True
+        return True  # /proc unreadable for this process: trust the signal
 
 
 def read_state(path: Path | None = None) -> ServerState | None:
