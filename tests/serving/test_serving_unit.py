@@ -228,7 +228,7 @@ def _fake_launcher(tmp_path, body: str) -> subprocess.Popen:
 
 
 def test_a_launcher_just_started_counts_as_alive(tmp_path, monkeypatch):
-    """Popen can return while the kernel has not yet set the child's command line (about 1 start in 1000 on a
+    """Popen can return while the kernel has not yet set the child's command line (0 to 2 starts in 300 on a
     2-core Zen 4; CI failed on it): an empty one is read again, not taken for a stale PID. An empty one that stays
     empty (a kernel thread on a reused PID) is not ours."""
     from pathlib import Path
@@ -237,6 +237,8 @@ def test_a_launcher_just_started_counts_as_alive(tmp_path, monkeypatch):
 
     proc = _fake_launcher(tmp_path, "import time; time.sleep(60)\n")
     read_bytes, reads = Path.read_bytes, []
+    while not read_bytes(Path(f"/proc/{proc.pid}/cmdline")):  # past its own exec: only the blanks below are empty
+        time.sleep(0.01)
 
     def in_exec(path, blank=1):  # the first ``blank`` reads of the command line as during exec
         got = read_bytes(path)
