@@ -40,8 +40,9 @@ from kvprobe.kv import cache as kvcache
 from kvprobe.kv.decode import Edited, Read, decide_ragged
 
 DEFAULT_PAIR_BATCH = 4  # the batch of benchmarks/suffix_batch.py's largest saving per pair with few states ahead
-# The caches kept a field for measuring a joining candidate back (old cache and oracle per pair): 62 pairs of
-# qwen2.5-1.5b on examples/calibrate-refund-clear.yaml hold about 430 MB in bfloat16, 860 MB in float32.
+# The caches kept a field for measuring a joining candidate back (old cache per pair, and the oracle's where it is
+# a cache: batch_reads=False): 62 pairs of qwen2.5-1.5b on examples/calibrate-refund-clear.yaml hold about 430 MB
+# with both in bfloat16, 860 MB in float32.
 KEEP_BYTES = 1 << 30
 
 
@@ -73,9 +74,9 @@ class PairStates:
     """The old caches and prefix oracles of a field's pairs, ``size`` drawn pairs at a time (see the module).
 
     ``get(key, ahead, strategies)`` gives the pair ``key``'s (aligned case, old cache, oracle, reads) or None where
-    it was not batched (not editable in place, or a prompt that shares no prefix yet: the calibration's first sets
-    it); ``ahead`` iterates the drawn pairs from ``key`` on as (key, aligned case or None), in draw order; ``reads``
-    are the stale, oracle and ``strategies`` reads (:meth:`_read`; empty with ``reads=False``)."""
+    it was not batched (not editable in place, or prompts that share no beginning; the calibration's first batch
+    sets the shared prefix); ``ahead`` iterates the drawn pairs from ``key`` on as (key, aligned case or None), in
+    draw order; ``reads`` are the stale, oracle and ``strategies`` reads (:meth:`_read`; empty with ``reads=False``)."""
 
     def __init__(self, lm, prefix, size: int = DEFAULT_PAIR_BATCH, reads: bool = True):
         self.lm, self.prefix, self.size, self.reads = lm, prefix, size, reads
@@ -182,12 +183,9 @@ class PairStates:
         two passes; so is the oracle, its prefill from the field on and its read."""
         entries = []  # (pair index, label, Edited, Read)
         for i, (_, a) in enumerate(pairs):
-            ctx, D, f0 = EditContext(self.lm, a, caches[i]), a.decision_pos, a.field[0]
+            ctx = EditContext(self.lm, a, caches[i])
             stale = apply(ctx, Stale())
-            # the prefix oracle fused with its read: the new prompt from the field on, over the old entries it replaces
-            oracle = (Edited(None, [a.ids_new[D]], D - f0, D + 1, ids=a.ids_new[: D + 1]),
-                      Read(caches[i], a.ids_new[f0: D + 1], list(range(f0, D + 1)), list(range(f0, D))))
-            entries += [(i, "stale", stale, Read.of(stale)), (i, "oracle", *oracle),
+            entries += [(i, "stale", stale, Read.of(stale)), (i, "oracle", *PrefixOracle().fused(ctx)),
                         *self._entries(i, ctx, strategies)]
         if self.single_s is None:
             self.single_s = min(timed_read(self.lm, entries[0][2])[1] for _ in range(2))
@@ -227,11 +225,11 @@ class PairStates:
                 given[i][label] = (edited, (g, self.single_s + per_token * len(read.ids), len(entries)))
 
     def read_back(self, keys, strategy) -> None:
-        """A candidate joining the chain read on the kept and the ready pairs among ``keys`` (those without its read),
-        ``size`` pairs a forward, into their states' reads: its measurement back over them then reads nothing."""
+        """A candidate joining the chain read on the kept pairs among ``keys`` and on the pairs computed ahead (those
+        without its read), ``size`` pairs a forward, into their states' reads: measuring it there reads nothing."""
         if not self.reads or self.single_s is None:
             return
-        held = [self.kept.get(k) or self.ready.get(k) for k in keys]
+        held = [*(self.kept.get(k) for k in keys), *self.ready.values()]
         held = [st for st in held if st is not None and strategy.label not in st[3]]
         with self.lm.lock:
             for lo in range(0, len(held), self.size):

@@ -92,12 +92,10 @@ class SharedPrefix:
         prompts; at least one token of each left to run on top of it), prefilled once."""
         from kvprobe.kv import cache as kvcache
 
-        n = min(map(len, prompts)) - 1
-        for ids in prompts[1:]:
-            n = next((i for i in range(n) if ids[i] != prompts[0][i]), n)
-        if n > 0:
-            self.ids, self.cache = list(prompts[0][:n]), kvcache.prefill(self.lm.model, torch.tensor(prompts[0][:n]),
-                                                                         logits_to_keep=1)[1]
+        self.ids = list(prompts[0])  # what shared() measures the others against
+        self.ids = self.ids[: min(map(self.shared, prompts))] or None
+        if self.ids:
+            self.cache = kvcache.prefill(self.lm.model, torch.tensor(self.ids), logits_to_keep=1)[1]
 
     def crop_to(self, n: int):
         """The prefix's cache, first cut to ``n`` tokens where it holds more (and kept so)."""
@@ -313,9 +311,10 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
             key, _, cand = item
             # the field stops once the first candidate still live is established: no states past the earliest pair
             # at which it could be (they would go unused)
-            limit = seq.to_establish(*res.counts[_in_play(res, seq, candidates)], max_pairs - res.pairs)
+            live = _in_play(res, seq, candidates)
+            limit = seq.to_establish(*res.counts[live], max_pairs - res.pairs)
             states = batcher.get(key, ahead(key), measured(cand), limit)
-            if chain and _in_play(res, seq, candidates) != candidates[-1]:  # a candidate may still join
+            if chain and live != candidates[-1]:  # a candidate may still join
                 batcher.keep(key, states)
             return one(ctx, item, states=states)
 
@@ -344,7 +343,7 @@ def calibrate(lm, spec: CalibrationSpec | Path | str, *, candidates=DEFAULT_CAND
                     f"joins, measured back over the {res.pairs} pairs so far")
                 back = [key for key in counted if cand not in counted[key]]
                 if batcher is not None:  # read it on the kept pairs and those computed ahead, a batch at a time
-                    batcher.read_back([*back, *batcher.ready], typed[cand])
+                    batcher.read_back(back, typed[cand])
                 for key in back:
                     count(key, cand)
                 if batcher is not None and cand == candidates[-1]:

@@ -391,3 +391,9 @@ class PrefixOracle(Oracle):
         assert ctx.a.ids_old[:f0] == ctx.a.ids_new[:f0], "an in-place edit leaves the tokens before the field"
         cache = appended(ctx.lm, kvcache.crop(ctx.old_cache, f0), ctx.a.ids_new[f0: ctx.D])
         return Edited(cache, [ctx.a.ids_new[ctx.D]], ctx.D - f0, ctx.D + 1, ids=ctx.a.ids_new[: ctx.D + 1])
+
+    def fused(self, ctx: EditContext) -> tuple[Edited, Read]:
+        """Its prefill and its read as one Read: the new prompt from the field on, the old entries there hidden."""
+        f0, D, ids = ctx.a.field[0], ctx.D, ctx.a.ids_new
+        return (Edited(None, [ids[D]], D - f0, D + 1, ids=ids[: D + 1]),
+                Read(ctx.old_cache, ids[f0: D + 1], list(range(f0, D + 1)), list(range(f0, D))))
