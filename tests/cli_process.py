@@ -14,7 +14,8 @@ Each call forks it: the child takes the call's argv, environment and working dir
 /dev/null and stdout/stderr into files, default signal handlers, clears the caches that read the
 environment, runs ``main()`` as the interpreter would (an escaping exception prints its traceback
 and exits 1; atexit handlers run), and exits. :func:`run` returns a ``subprocess.CompletedProcess``
-like ``subprocess.run(..., capture_output=True, text=True)``.
+like ``subprocess.run(..., capture_output=True, text=True)``. :func:`run_script` runs ``python
+SCRIPT ARGS`` the same way (the docs' benchmark and script commands: about 5 s of imports each).
 
 :func:`start` returns at once, for a test that signals the process (Ctrl-C and resume). What it
 does not give: a test of how fast a fresh process starts, or of what a library prints the first
@@ -35,7 +36,7 @@ import time
 from pathlib import Path
 
 SERVER = r'''
-import json, os, signal, sys, traceback
+import json, os, runpy, signal, sys, traceback
 
 from kvprobe.cli import app as cli_app
 
@@ -65,10 +66,15 @@ for line in sys.stdin:
             os.chdir(req["cwd"])
             os.environ.clear()
             os.environ.update(req["env"])
-            sys.argv = ["kvprobe", *req["args"]]
             families.cache_clear()  # rereads $KVPROBE_FAMILY_PATH
             try:
-                cli_app.main()
+                if req.get("script"):  # `python SCRIPT ARGS`: its folder first on sys.path, as the interpreter sets it
+                    sys.argv = [req["script"], *req["args"]]
+                    sys.path[0] = os.path.dirname(os.path.abspath(req["script"]))
+                    runpy.run_path(req["script"], run_name="__main__")
+                else:
+                    sys.argv = ["kvprobe", *req["args"]]
+                    cli_app.main()
                 code = 0
             except SystemExit as exc:
                 if exc.code is None or isinstance(exc.code, int):
@@ -174,10 +180,12 @@ class Started:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def start(*args, env: dict | None = None, cwd: str | Path | None = None) -> Started:
+def start(*args, env: dict | None = None, cwd: str | Path | None = None, script: str | Path | None = None
+          ) -> Started:
     """Start ``kvprobe ARGS`` in a forked process and return at once (one at a time per test
     process: the next call waits for this one). ``env`` replaces the environment, ``cwd`` the
-    working directory."""
+    working directory. With ``script``, the process runs ``python SCRIPT ARGS`` instead (see
+    :func:`run_script`)."""
     args = [str(a) for a in args]
     if not _server or _server["proc"].poll() is not None:
         _server.clear()
@@ -187,10 +195,11 @@ def start(*args, env: dict | None = None, cwd: str | Path | None = None) -> Star
     out.touch()
     err.touch()
     request = {"args": args, "env": dict(os.environ if env is None else env), "cwd": str(cwd or os.getcwd()),
-               "stdout": str(out), "stderr": str(err)}
+               "stdout": str(out), "stderr": str(err), "script": str(script) if script else None}
     _server["proc"].stdin.write(json.dumps(request) + "\n")
     _server["proc"].stdin.flush()
-    return Started(["kvprobe", *args], _read(_server, time.monotonic() + 60)["pid"], tmp)
+    return Started([*(["python", str(script)] if script else ["kvprobe"]), *args],
+                   _read(_server, time.monotonic() + 60)["pid"], tmp)
 
 
 def run(*args, env: dict | None = None, cwd: str | Path | None = None, timeout: float = 600
@@ -198,3 +207,13 @@ def run(*args, env: dict | None = None, cwd: str | Path | None = None, timeout: 
     """``kvprobe ARGS`` in a forked process: exit code, stdout and stderr as text. ``env`` replaces
     the environment (as ``subprocess.run(env=...)``), ``cwd`` the working directory."""
     return start(*args, env=env, cwd=cwd).wait(timeout)
+
+
+def run_script(script: str | Path, *args, env: dict | None = None, cwd: str | Path | None = None,
+               timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS`` in a forked process, as :func:`run` runs ``kvprobe ARGS``: the script
+    runs as ``__main__`` (``runpy.run_path``) with its folder first on ``sys.path``, in a process
+    that has imported the model stack already. What it cannot give: an interpreter option, or an
+    environment variable read only when Python starts (``PYTHONPATH``, ``PYTHONHASHSEED`` ...): a
+    caller that needs one starts a plain process."""
+    return start(*args, env=env, cwd=cwd, script=script).wait(timeout)

@@ -4,7 +4,8 @@ Each fenced block of the docs is one test case. A ```bash block's commands (``\\
 a ``for`` loop up to ``done`` is one command) and the ``$ `` lines of a ```console block run in a
 temporary folder that holds a copy of ``examples/`` and links to ``scripts/`` and ``benchmarks/``, with
 the environment the test session has (``KVPROBE_HOME`` included); a ```python block is exec'd there.
-``kvprobe`` commands run through the fork server of ``tests/cli_process.py``, like the CLI tests.
+``kvprobe`` commands run through the fork server of ``tests/cli_process.py``, like the CLI tests, and
+so do ``python SCRIPT.py`` commands (``run_script``) unless they set a ``PYTHON*`` variable.
 
 What happens to each command is written down in :data:`PLAN` and :data:`SNIPPETS`, and printed
 (``pytest -rP tests/unit/test_docs_run.py`` shows the table):
@@ -590,7 +591,10 @@ def run_command(cmd: str, plan: Run | Swap | Parse, folder: Path, env: dict, mad
             extra[key] = value
         if words[0] in ("python", "python3", ".venv/bin/python"):
             words[0] = sys.executable
-        proc = subprocess.run(words, cwd=folder, env={**env, **extra}, capture_output=True, text=True, timeout=600)
+        if words[0] == sys.executable and words[1].endswith(".py") and not any(k.startswith("PYTHON") for k in extra):
+            proc = cli_process.run_script(words[1], *words[2:], cwd=folder, env={**env, **extra})  # no imports paid
+        else:
+            proc = subprocess.run(words, cwd=folder, env={**env, **extra}, capture_output=True, text=True, timeout=600)
     out = proc.stdout[-3000:] + proc.stderr[-3000:]
     code, expect = getattr(plan, "code", 0), getattr(plan, "expect", None)
     assert proc.returncode == code, f"`{shlex.join(words)}` exited {proc.returncode}, not {code}:\n{out}"
