@@ -14,8 +14,9 @@ Each call forks it: the child takes the call's argv, environment and working dir
 /dev/null and stdout/stderr into files, default signal handlers, clears the caches that read the
 environment, runs ``main()`` as the interpreter would (an escaping exception prints its traceback
 and exits 1; atexit handlers run), and exits. :func:`run` returns a ``subprocess.CompletedProcess``
-like ``subprocess.run(..., capture_output=True, text=True)``. :func:`run_script` runs ``python
-SCRIPT ARGS`` the same way (the docs' benchmark and script commands: about 5 s of imports each).
+like ``subprocess.run(..., capture_output=True, text=True)``. :func:`run_script` and
+:func:`run_code` run ``python SCRIPT ARGS`` and ``python -c CODE ARGS`` the same way (the docs'
+benchmark commands, a process where an optional extra is missing: about 5 s of imports each).
 
 :func:`start` returns at once, for a test that signals the process (Ctrl-C and resume). What it
 does not give: a test of how fast a fresh process starts, or of what a library prints the first
@@ -72,6 +73,9 @@ for line in sys.stdin:
                     sys.argv = [req["script"], *req["args"]]
                     sys.path[0] = os.path.dirname(os.path.abspath(req["script"]))
                     runpy.run_path(req["script"], run_name="__main__")
+                elif req.get("code") is not None:  # `python -c CODE ARGS`
+                    sys.argv = ["-c", *req["args"]]
+                    exec(compile(req["code"], "<string>", "exec"), {"__name__": "__main__"})
                 else:
                     sys.argv = ["kvprobe", *req["args"]]
                     cli_app.main()
@@ -180,12 +184,12 @@ class Started:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def start(*args, env: dict | None = None, cwd: str | Path | None = None, script: str | Path | None = None
-          ) -> Started:
+def start(*args, env: dict | None = None, cwd: str | Path | None = None, script: str | Path | None = None,
+          code: str | None = None) -> Started:
     """Start ``kvprobe ARGS`` in a forked process and return at once (one at a time per test
     process: the next call waits for this one). ``env`` replaces the environment, ``cwd`` the
-    working directory. With ``script``, the process runs ``python SCRIPT ARGS`` instead (see
-    :func:`run_script`)."""
+    working directory. With ``script`` or ``code``, the process runs ``python SCRIPT ARGS`` or
+    ``python -c CODE ARGS`` instead (see :func:`run_script`)."""
     args = [str(a) for a in args]
     if not _server or _server["proc"].poll() is not None:
         _server.clear()
@@ -195,10 +199,11 @@ def start(*args, env: dict | None = None, cwd: str | Path | None = None, script:
     out.touch()
     err.touch()
     request = {"args": args, "env": dict(os.environ if env is None else env), "cwd": str(cwd or os.getcwd()),
-               "stdout": str(out), "stderr": str(err), "script": str(script) if script else None}
+               "stdout": str(out), "stderr": str(err), "script": str(script) if script else None, "code": code}
     _server["proc"].stdin.write(json.dumps(request) + "\n")
     _server["proc"].stdin.flush()
-    return Started([*(["python", str(script)] if script else ["kvprobe"]), *args],
+    head = ["python", str(script)] if script else ["python", "-c", code] if code is not None else ["kvprobe"]
+    return Started([*head, *args],
                    _read(_server, time.monotonic() + 60)["pid"], tmp)
 
 
@@ -215,5 +220,13 @@ def run_script(script: str | Path, *args, env: dict | None = None, cwd: str | Pa
     runs as ``__main__`` (``runpy.run_path``) with its folder first on ``sys.path``, in a process
     that has imported the model stack already. What it cannot give: an interpreter option, or an
     environment variable read only when Python starts (``PYTHONPATH``, ``PYTHONHASHSEED`` ...): a
-    caller that needs one starts a plain process."""
+    caller that needs one starts a plain process. A module the fork server imported already (the
+    model stack, kvprobe's run, report and probe modules) is not imported again: a script that hides
+    one (``sys.modules[NAME] = None``) can hide only what the server has not imported."""
     return start(*args, env=env, cwd=cwd, script=script).wait(timeout)
+
+
+def run_code(code: str, *args, env: dict | None = None, cwd: str | Path | None = None,
+             timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -c CODE ARGS`` in a forked process, as :func:`run_script` runs a script."""
+    return start(*args, env=env, cwd=cwd, code=code).wait(timeout)

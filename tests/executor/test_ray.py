@@ -278,12 +278,10 @@ def test_bad_executor_options_are_one_line(tmp_path, extra, code, text):
 
 def test_ray_not_installed_is_one_line(tmp_path):
     """A process where ``import ray`` fails, as it does without the extra."""
-    import subprocess
-    import sys
-
-    code = ("import sys; sys.modules['ray'] = None\nfrom kvprobe.cli.app import main; main()")
-    proc = subprocess.run([sys.executable, "-c", code, "edit", "--model", "toy-qwen2", "--n", "2", "--out",
-                           str(tmp_path / "out"), "--executor", "ray"], capture_output=True, text=True, timeout=300)
+    code = ("import sys; assert 'ray' not in sys.modules; sys.modules['ray'] = None\n"
+            "from kvprobe.cli.app import main; main()")
+    proc = cli_process.run_code(code, "edit", "--model", "toy-qwen2", "--n", "2", "--out", tmp_path / "out",
+                                "--executor", "ray")
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 4 and len(lines) == 1 and "pip install 'kvprobe[ray]'" in lines[0], proc.stderr
     assert not (tmp_path / "out").exists()

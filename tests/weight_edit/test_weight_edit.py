@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import json
-import subprocess
 import sys
 
 import jsonschema
@@ -26,6 +25,7 @@ from kvprobe.weight_edit import (LoraSettings, decisions, fit, lora_adapter, req
                                  weight_edit_case)
 from kvprobe.weight_edit.lora import answer_token, prompt_logits
 from kvprobe.weight_edit.runner import prompts
+from tests import cli_process
 from tests.cli.test_conventions import error_line, kvprobe, snapshot
 from tests.conftest import tiny_model
 
@@ -201,9 +201,9 @@ def test_bad_options_are_refused_before_any_work(tmp_path, extra, code, text):
 
 def test_peft_not_installed_is_one_line(tmp_path):
     """A process where ``import peft`` fails, as it does without the extra."""
-    code = "import sys; sys.modules['peft'] = None\nfrom kvprobe.cli.app import main; main()"
-    proc = subprocess.run([sys.executable, "-c", code, "weight-edit", "--model", "toy-qwen2", "--n", "2", "--out",
-                           str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    code = "import sys; assert 'peft' not in sys.modules; sys.modules['peft'] = None\n" \
+           "from kvprobe.cli.app import main; main()"
+    proc = cli_process.run_code(code, "weight-edit", "--model", "toy-qwen2", "--n", "2", "--out", tmp_path / "out")
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 4 and len(lines) == 1 and "pip install 'kvprobe[weight-edit]'" in lines[0], proc.stderr
     assert not (tmp_path / "out").exists()
