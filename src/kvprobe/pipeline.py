@@ -145,6 +145,7 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None, cases: list | N
             exp.opened.executor = executor
     out, folder = exp.out, exp.folder
     lm, sel, executor = exp.opened.lm, exp.opened.prepared, exp.opened.executor
+    counted = executor.describe()  # the manifest records this run's own counts
     # each case's two caches (and residual streams, for a probe stage that reads them): prefilled
     # once, at validity, for every later stage
     pairs = PairMemo(lm, residuals=any(stage.residuals for stage in in_order(cfg.probes)))
@@ -155,7 +156,7 @@ def run(cfg: RunConfig, out: Path | str, progress=None, lm=None, cases: list | N
     pairs.keep(())
     compose_summary = run_compose_stage(cfg, lm, folder, watch, executor)
     manifest = write_manifest(cfg, lm, sel, compose_summary, folder, {**watch.wall, "total": time.perf_counter() - t0},
-                              run_profile(watch, sel, out), executor.describe())
+                              run_profile(watch, sel, out), executor.describe(since=counted))
     if rule is not None:
         export_topk(out, threshold=cfg.threshold)
     return manifest

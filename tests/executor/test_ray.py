@@ -3,7 +3,8 @@
 worker that holds other weights, or a cluster that cannot hold one, is one line.
 
 Ray runs locally on 127.0.0.1 (a module fixture starts it once and shuts it down); two workers of
-one torch thread each on toy and tiny models. A serial run is compared through
+one torch thread each on toy and tiny models, the same two for the tests comparing commands with
+their serial tables. A serial run is compared through
 scripts/compare_runs.py within its float-noise bound (the workers compute on one thread, this
 process on the suite's): what the issue asks a user to run. `kvprobe run` itself, serial against
 `--executor ray --workers 2` from the command line and compared by scripts/compare_runs.py, is
@@ -51,13 +52,24 @@ def same_tables(a: Path, b: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """One local Ray for the module's in-process tests (127.0.0.1, two CPUs); executors reuse it."""
+    """One local Ray for the module's in-process tests (127.0.0.1); executors reuse it. Six logical
+    CPUs (Ray's scheduling count, not cores): the two shared workers of :func:`two_workers` stay up
+    while a test starts up to three more (two, and one replacing a killed one)."""
     import logging
 
-    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=6, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
              object_store_memory=256 * 2**20, logging_level=logging.ERROR)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def two_workers(local_ray):
+    """Two workers holding toy-qwen2, shared by the tests that compare commands with their serial
+    tables (each worker's start imports the model stack: seconds of CPU). Each command's manifest
+    records its own counts (``describe(since=...)``); a test reads the executor's as differences."""
+    with RayExecutor(workers=2) as ex:
+        yield ex
 
 
 def _edit_cases(n: int = 6):
@@ -115,35 +127,36 @@ def test_a_worker_with_other_weights_is_refused_in_one_line(local_ray):
 
 
 # -- the commands: the same tables as serial ---------------------------------------------------------------------
-def test_edit_and_sweep_on_two_workers_give_the_serial_tables(local_ray, tmp_path):
+def test_edit_and_sweep_on_two_workers_give_the_serial_tables(two_workers, tmp_path):
     from kvprobe.editor.runner import run_edits
     from kvprobe.sweep.grid import SweepConfig, run_sweep
 
     lm = tiny_model("toy-qwen2")
     cases = _edit_cases(6)
     strategies = ["stale", "field_only", "erratum_turn", "selective:4:recency", "oracle"]
-    with RayExecutor(workers=2) as ex:
-        frames = {}
-        for name, executor in (("serial", Serial()), ("ray", ex)):
-            out = tmp_path / f"edit-{name}"
-            df, _ = run_edits(lm, cases, strategies, store=CaseStore(out, "edits"), executor=executor)
-            df.to_parquet(out / "edits.parquet")
-            frames[name] = out
-        same_tables(frames["serial"], frames["ray"])
-        # a sweep whose cells stop at 2 valid cases: the same cases screened either way
-        cfg = SweepConfig(model="toy-qwen2", layouts=["lines", "prose"], filler_tokens=[30], n=8, valid=2,
-                          strategies=["stale", "field_only", "oracle"])
-        manifests = {name: run_sweep(cfg, lm, tmp_path / f"sweep-{name}", executor=executor)
-                     for name, executor in (("serial", Serial()), ("ray", ex))}
-        same_tables(tmp_path / "sweep-serial", tmp_path / "sweep-ray")
-        for cell, info in manifests["serial"]["cells"].items():
-            assert manifests["ray"]["cells"][cell]["screened"] == info["screened"]
-        assert manifests["ray"]["executor"]["executor"] == "ray"
-        screened = sum(c["screened"] for c in manifests["ray"]["cells"].values())
-        assert manifests["ray"]["executor"]["computed"] >= screened
+    ex = two_workers
+    frames = {}
+    for name, executor in (("serial", Serial()), ("ray", ex)):
+        out = tmp_path / f"edit-{name}"
+        df, _ = run_edits(lm, cases, strategies, store=CaseStore(out, "edits"), executor=executor)
+        df.to_parquet(out / "edits.parquet")
+        frames[name] = out
+    same_tables(frames["serial"], frames["ray"])
+    # a sweep whose cells stop at 2 valid cases: the same cases screened either way
+    cfg = SweepConfig(model="toy-qwen2", layouts=["lines", "prose"], filler_tokens=[30], n=8, valid=2,
+                      strategies=["stale", "field_only", "oracle"])
+    manifests = {name: run_sweep(cfg, lm, tmp_path / f"sweep-{name}", executor=executor)
+                 for name, executor in (("serial", Serial()), ("ray", ex))}
+    same_tables(tmp_path / "sweep-serial", tmp_path / "sweep-ray")
+    for cell, info in manifests["serial"]["cells"].items():
+        assert manifests["ray"]["cells"][cell]["screened"] == info["screened"]
+    assert manifests["ray"]["executor"]["executor"] == "ray"
+    screened = sum(c["screened"] for c in manifests["ray"]["cells"].values())
+    # the sweep's manifest counts its own items, not the edits' computed before it on the same workers
+    assert manifests["ray"]["executor"]["computed"] >= screened
 
 
-def test_validate_on_two_workers_composes_the_serial_rows(local_ray, tmp_path):
+def test_validate_on_two_workers_composes_the_serial_rows(two_workers, tmp_path):
     """`kvprobe validate`'s queries on workers: the blocks are precompiled in the driver and travel
     to the workers; the rows are the serial ones."""
     from kvprobe.composer.gate import run_compose
@@ -151,22 +164,22 @@ def test_validate_on_two_workers_composes_the_serial_rows(local_ray, tmp_path):
     lm = tiny_model("toy-qwen2")
     kw = {"n": 3, "seed": 0, "seams": (0, 4), "block_tokens": (40, 80), "n_blocks": (1, 2)}
     serial = run_compose(lm, **kw, parts=CaseStore(tmp_path / "serial", "compose"))
-    with RayExecutor(workers=2) as ex:
-        par = run_compose(lm, **kw, parts=CaseStore(tmp_path / "ray", "compose"), executor=ex)
-        assert ex.computed == 3
+    ex, before = two_workers, two_workers.computed
+    par = run_compose(lm, **kw, parts=CaseStore(tmp_path / "ray", "compose"), executor=ex)
+    assert ex.computed - before == 3
     cols = [c for c in serial.columns if c not in compare_runs.TIMING]
     pd.testing.assert_frame_equal(par[cols], serial[cols], atol=compare_runs.NOISE, check_exact=False)
 
 
-def test_calibrate_on_two_workers_uses_the_serial_pairs_and_gives_its_policy(local_ray):
+def test_calibrate_on_two_workers_uses_the_serial_pairs_and_gives_its_policy(two_workers):
     from kvprobe.calibrate.engine import calibrate, load_spec
 
     lm = tiny_model("toy-qwen2")
     spec = load_spec(ROOT / "examples" / "calibrate-toy.yaml")
     ser = Serial()
     serial = calibrate(lm, spec, max_pairs=6, candidates=["field_only", "erratum_turn"], executor=ser)
-    with RayExecutor(workers=2) as ex:
-        par = calibrate(lm, spec, max_pairs=6, candidates=["field_only", "erratum_turn"], executor=ex)
+    ex, before = two_workers, two_workers.computed
+    par = calibrate(lm, spec, max_pairs=6, candidates=["field_only", "erratum_turn"], executor=ex)
     for a, b in zip(serial.fields, par.fields):
         assert (a.name, a.pairs, a.skipped, a.counts, a.chosen, a.verdict) == \
             (b.name, b.pairs, b.skipped, b.counts, b.chosen, b.verdict)
@@ -181,7 +194,8 @@ def test_calibrate_on_two_workers_uses_the_serial_pairs_and_gives_its_policy(loc
     n_fields = len(serial.fields)
     assert serial.wasted == 0 and n_fields <= par.wasted <= ex.lookahead * n_fields, (par.wasted, ex.lookahead)
     assert ser.computed == sum(f.pairs + f.skipped for f in serial.fields)
-    assert ser.computed <= ex.computed <= ser.computed + par.wasted, (ser.computed, ex.computed, par.wasted)
+    computed = ex.computed - before
+    assert ser.computed <= computed <= ser.computed + par.wasted, (ser.computed, computed, par.wasted)
     assert {f: (p["repair"], p["verdict"]) for f, p in serial.policy["fields"].items()} == \
         {f: (p["repair"], p["verdict"]) for f, p in par.policy["fields"].items()}
     from kvprobe.editor.strategies import parse_strategy
@@ -191,7 +205,7 @@ def test_calibrate_on_two_workers_uses_the_serial_pairs_and_gives_its_policy(loc
         verify(cal.policy, "field_policy.yaml", parse_strategy).check_spec(spec)
 
 
-def test_a_sized_run_on_ray_checks_the_serial_cases(local_ray, tmp_path):
+def test_a_sized_run_on_ray_checks_the_serial_cases(two_workers, tmp_path):
     """A sized run (no --n: cases checked in order until each leg's target is met) stops at the same
     case on two workers; what they computed past it is counted as waste, not used."""
     from kvprobe.config import RunConfig
@@ -202,8 +216,10 @@ def test_a_sized_run_on_ray_checks_the_serial_cases(local_ray, tmp_path):
                     strategies=["stale", "field_only", "oracle"])
     assert cfg.sizing() is not None
     serial = run(cfg, tmp_path / "serial", lm=lm)
-    with RayExecutor(workers=2) as ex:
-        par = run(cfg, tmp_path / "ray", lm=lm, executor=ex)
+    ex, before = two_workers, two_workers.describe()
+    par = run(cfg, tmp_path / "ray", lm=lm, executor=ex)
+    # the manifest counts this run's items alone, though the workers served other tests before it
+    assert par["executor"] == ex.describe(since=before) and par["executor"]["computed"] < ex.computed
     assert serial["sizing"]["stopped"] == "targets reached" and serial["sizing"] == par["sizing"]
     same_tables(tmp_path / "serial", tmp_path / "ray")
     extra = len(list((tmp_path / "ray" / "parts" / "validity").glob("*.parquet"))) - serial["sizing"]["checked"]

@@ -67,7 +67,7 @@ class Serial(Executor):
         self.wasted = 0  # never: nothing is computed ahead
         self.computed = 0
 
-    def describe(self) -> dict:
+    def describe(self, since: dict | None = None) -> dict:
         return {"executor": self.name, "workers": 1}
 
     def each(self, store, items: Iterable, fn: Callable, ctx: Context, times: dict | None = None) -> Iterator:

@@ -152,11 +152,15 @@ class RayExecutor(Executor):
         self._started_ray = False
         self._nodes: list[dict] = []
 
-    def describe(self) -> dict:
-        """What the manifest records of how the items were computed."""
+    def describe(self, since: dict | None = None) -> dict:
+        """What the manifest records of how the items were computed: the counts since ``since`` (an
+        earlier ``describe()``), so that a command given an executor that served others before it
+        records its own."""
+        counts = {"computed": self.computed, "wasted": self.wasted, "resent": self.resent, "workers_lost": self.lost}
+        if since:
+            counts = {k: v - since.get(k, 0) for k, v in counts.items()}
         return {"executor": self.name, "workers": self.workers, "threads_per_worker": self.threads,
-                "gpus_per_worker": self.gpus, "address": self.address or "local", "retries": self.retries,
-                "computed": self.computed, "wasted": self.wasted, "resent": self.resent, "workers_lost": self.lost}
+                "gpus_per_worker": self.gpus, "address": self.address or "local", "retries": self.retries, **counts}
 
     @property
     def actors(self) -> list:

@@ -191,6 +191,7 @@ def run_sweep(cfg: SweepConfig, lm=None, out: Path | str | None = None,
         if executor is not None:  # the caller's: left open on a refusal, as the caller closes it
             exp.opened.executor = executor
     lm, executor, prepared = exp.opened.lm, exp.opened.executor, exp.opened.prepared
+    counted = executor.describe()  # the manifest records this sweep's own counts
     ctx, out, folder = Context(lm), exp.out, exp.folder
     progress = progress or (lambda name, total: (lambda: None))
     strategies = cfg.edit_strategies()
@@ -236,7 +237,7 @@ def run_sweep(cfg: SweepConfig, lm=None, out: Path | str | None = None,
     manifest = folder.manifest(
         lm, **version_entry(SWEEP_MANIFEST), config=cfg.model_dump(), cells=record,
         cell_verdicts=dict(zip(verdicts.cell, verdicts.verdict)), layout_verdicts=layout_verdicts(verdicts),
-        verdict_rule=RULE, executor=executor.describe(),
+        verdict_rule=RULE, executor=executor.describe(since=counted),
         wall_s={"cells": round(sum(c["wall_s"] for c in record.values()), 1),
                 "this_invocation": round(time.perf_counter() - t_start, 1)})
     folder.write(SWEEP_MANIFEST, manifest)
