@@ -331,24 +331,27 @@ def test_failed_start_shows_the_log_tail(home, monkeypatch):
     assert server.read_state() is None and not server.state_path().exists()
 
 
-@pytest.mark.parametrize("eager", [False, True])
-def test_the_server_command_and_environment(home, monkeypatch, tmp_path, eager):
-    """--enforce-eager exactly when asked; the server's processes may write their bytecode (the
-    environment is installed without it) whatever the caller's PYTHONDONTWRITEBYTECODE."""
+@pytest.mark.parametrize("eager, one_process", [(False, False), (True, False), (False, True)])
+def test_the_server_command_and_environment(home, monkeypatch, tmp_path, eager, one_process):
+    """--enforce-eager exactly when asked, and vLLM's engine in one process (its multiprocessing off)
+    exactly when asked; the server's processes may write their bytecode (the environment is
+    installed without it) whatever the caller's PYTHONDONTWRITEBYTECODE."""
     from kvprobe.serving import server
 
     seen = tmp_path / "seen.json"
     _ready_venv(home, "import json, os, sys\n"
-                      "got = [sys.argv[1:], os.environ.get('PYTHONDONTWRITEBYTECODE')]\n"
+                      "got = [sys.argv[1:], os.environ.get('PYTHONDONTWRITEBYTECODE'),\n"
+                      "       os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING')]\n"
                       f"json.dump(got, open({str(seen)!r}, 'w'))\n"
                       "sys.exit(3)\n")
     monkeypatch.setattr(server, "_model_folder", lambda alias, progress: home / "m")
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     with pytest.raises(KvprobeError, match="exited with code 3"):
-        server.start(MODEL, owner="pytest", eager=eager)
-    argv, no_bytecode = json.loads(seen.read_text())
+        server.start(MODEL, owner="pytest", eager=eager, one_process=one_process)
+    argv, no_bytecode, multiprocessing = json.loads(seen.read_text())
     assert argv[:2] == ["serve", str(home / "m")] and ("--enforce-eager" in argv) == eager
-    assert no_bytecode is None
+    assert no_bytecode is None and multiprocessing == ("0" if one_process else None)
 
 
 def test_setup_installs_with_uv_without_bytecode_and_with_pips_indexes(tmp_path, monkeypatch):
@@ -528,6 +531,8 @@ AGENT_SPEC = str(Path(__file__).resolve().parents[2] / "examples" / "agent-refun
     (["serve", "stop"], ["no kvprobe vLLM server is running"]),
     (["serve-bench", "--model", MODEL, "--url", "http://127.0.0.1:9", "--eager"],
      ["--eager applies to a server serve-bench starts", "--url"]),
+    (["serve-bench", "--model", MODEL, "--url", "http://127.0.0.1:9", "--one-process"],
+     ["--one-process applies to a server serve-bench starts", "--url", "serve start --one-process"]),
 ])
 def test_cli_errors_are_one_line(tmp_path, args, needles):
     one_line_error(kvprobe(*args, home=tmp_path / "home"), *needles)

@@ -40,7 +40,10 @@ def setup() -> None:
 def start(model: str = typer.Option(..., help="a bundled alias, see `kvprobe models`"),
           timeout: float = typer.Option(420.0, min=10, help="seconds to wait for the server's health"),
           eager: bool = typer.Option(False, "--eager", help="vLLM's --enforce-eager: no torch.compile at start-up "
-                                     "(40-60 s instead of 100-160 s for SmolLM2 on 2 cores; serves slower)")) -> None:
+                                     "(40-60 s instead of 100-160 s for SmolLM2 on 2 cores; serves slower)"),
+          one_process: bool = typer.Option(False, "--one-process", help="vLLM's engine in the server's own process "
+                                           "(VLLM_ENABLE_V1_MULTIPROCESSING=0): no engine-core and worker processes "
+                                           "spinning on a core; on 2 cores it starts and serves faster")) -> None:
     """Start the vLLM OpenAI server for MODEL on 127.0.0.1 (a free port) and wait until it is healthy."""
     import time
 
@@ -48,9 +51,10 @@ def start(model: str = typer.Option(..., help="a bundled alias, see `kvprobe mod
 
     t0 = time.perf_counter()
     with err_console.status(f"starting vLLM for {model}") as status:
-        state = server.start(model, timeout_s=timeout, progress=lambda msg: status.update(msg), eager=eager)
+        state = server.start(model, timeout_s=timeout, progress=lambda msg: status.update(msg), eager=eager,
+                             one_process=one_process)
     console.print(f"vLLM serving {model} at {state.url} (pid {state.pid}, block size {state.block_size}"
-                  f"{', eager' if state.eager else ''}, "
+                  f"{', eager' if state.eager else ''}{', one process' if state.one_process else ''}, "
                   f"ready in {time.perf_counter() - t0:.0f} s); log {state.log}; stop it with `kvprobe serve stop`")
 
 
@@ -228,6 +232,8 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
                                                              "policy measured as moving the decision)"),
                 eager: bool = typer.Option(False, "--eager", help="start the run's own server in vLLM's eager mode "
                                                                   "(see `kvprobe serve start --eager`)"),
+                one_process: bool = typer.Option(False, "--one-process", help="start the run's own server with "
+                                                 "its engine in one process (see `kvprobe serve start --one-process`)"),
                 engine: str = typer.Option("vllm", help="vllm (a server), or llama.cpp: the agent workload in this "
                                                         "process, with the policy+edit arm (docs/serving.md)"),
                 threads: int = typer.Option(1, min=1, help="llama.cpp: threads for the model"),
@@ -298,9 +304,9 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
     except ValidationError as exc:
         raise UsageError.from_validation(exc, "serve-bench") from None
     if engine == "llama.cpp":
-        if workload != "agent" or url is not None or eager:
+        if workload != "agent" or url is not None or eager or one_process:
             raise UsageError("--engine llama.cpp runs the agent workload in this process: give --workload agent, "
-                             "and no --url or --eager")
+                             "and no --url, --eager or --one-process")
         if max_s is not None:
             raise UsageError("--max-s applies to --engine vllm; llama.cpp serves every request of a run (its "
                              "queueing is replayed from the measured service times)")
@@ -310,10 +316,11 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
     out = usable_out(out or Path("results") / f"{prefix}-{Path(model).name}")
     refuse_foreign(out, SERVING_MANIFEST)  # before a server starts: another command's folder is refused
     own = None
-    if eager and (url is not None or server.read_state() is not None):
-        raise UsageError("--eager applies to a server serve-bench starts for the run; this run uses "
+    mode = "--eager" if eager else "--one-process" if one_process else None
+    if mode and (url is not None or server.read_state() is not None):
+        raise UsageError(f"{mode} applies to a server serve-bench starts for the run; this run uses "
                          f"{'--url' if url is not None else 'the running kvprobe server'} (a server's mode is "
-                         "set when it starts: `kvprobe serve start --eager`)")
+                         f"set when it starts: `kvprobe serve start {mode}`)")
     if url is not None:
         url = normalize_url(url)
         served_models(url)  # reachable?
@@ -330,7 +337,8 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
             env.require_ready()
             t0 = time.perf_counter()
             with err_console.status(f"starting vLLM for {model} (for this run only)") as status:
-                own = server.start(model, owner="serve-bench", progress=lambda msg: status.update(msg), eager=eager)
+                own = server.start(model, owner="serve-bench", progress=lambda msg: status.update(msg), eager=eager,
+                                   one_process=one_process)
             url = own.url
             err_console.print(f"vLLM ready at {url} in {time.perf_counter() - t0:.0f} s (stopped after the run)")
     t0 = time.perf_counter()
@@ -338,7 +346,8 @@ def serve_bench(model: str = typer.Option(..., help="bundled alias (or local HF 
         with progress_bar() as bar:
             task = bar.add_task("serve-bench", total=None)
             kw = dict(progress=lambda msg: bar.update(task, description=msg), advance=lambda: bar.advance(task),
-                      facts={"own_server": own is not None, **({"eager": own.eager} if own else {})})
+                      facts={"own_server": own is not None,
+                             **({"eager": own.eager, "one_process": own.one_process} if own else {})})
             run = agent.AgentBench(cfg, url, out, **kw) if workload == "agent" else bench.Bench(cfg, url, out, **kw)
             bar.update(task, total=run.total())
             path = run.run()
