@@ -8,7 +8,9 @@ looks at its input: over a hundred calls, the largest part of the suite's time.
 
 So each test process keeps one *fork server* (the idea of multiprocessing's ``forkserver``): a
 fresh Python that sets the environment defaults ``main`` sets, imports the model stack, kvprobe's
-modules and what its reports and linear probe import (matplotlib, scikit-learn), and runs nothing
+modules and what its reports and linear probe import (matplotlib, scikit-learn) and serve-bench's
+client (openai, whose module reads OPENAI_LOG and the Azure variables when imported: no test sets
+them, and kvprobe passes its client everything), and runs nothing
 else (no torch thread pool exists yet, so forking is safe).
 Each call forks it: the child takes the call's argv, environment and working directory, stdin from
 /dev/null and stdout/stderr into files, default signal handlers, clears the caches that read the
@@ -48,6 +50,7 @@ import kvprobe.pipeline, kvprobe.editor.runner, kvprobe.sweep.grid  # noqa: E401
 import kvprobe.reports.html, kvprobe.reports.figures, kvprobe.reports.sections  # noqa: E401,F401
 import kvprobe.reports.sections.edits, kvprobe.reports.sections.knockout  # noqa: E401,F401
 import sklearn.linear_model, sklearn.model_selection, sklearn.pipeline, sklearn.preprocessing  # noqa: E401,F401
+import kvprobe.serving.agent  # noqa: F401  serve-bench's modules and the openai client: 0.6 s a call on a Zen 4
 assert "kvprobe.serving.env" not in sys.modules  # it sets an environment variable when imported
 from kvprobe.models.adapter import families
 
