@@ -186,15 +186,12 @@ def start(alias: str, *, owner: str = "serve start", block_size: int = BLOCK_SIZ
     ``one_process``: vLLM's engine runs in the API server's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
     instead of an engine-core process and a worker process that wait for each other's messages by
     spinning on a core (vLLM's shared-memory queue polls for a second after each message). On 2 cores
-    (Zen 4, SmolLM2-135M, eager) the eager start took 18 s against 28 s, and the benchmark's uncached arm
-    served 0.61 requests/s against 0.35 (one run each); the cached arms' time to the first token grew (0.5 s against
-    0.14 s: the HTTP server and the engine share one interpreter). vLLM's CPU platform otherwise insists
-    on its multiprocess executor, which pins its OpenMP threads to cores: on a machine with many cores
-    that pinning serves faster, so it stays the default.
-
-    A server that a command starts for its own use (``owner`` other than "serve start") is tied to
-    that command's process: it gets SIGTERM if the command dies. Raises a one-line error, with the
-    tail of the server's log, when the server exits or stays unhealthy past ``timeout_s``.
+    (Zen 4, SmolLM2-135M, eager; ``benchmarks/vllm_one_process.py``, medians of two runs an arm) it
+    started in 17.6 s against 28.0 s, served the uncached arm at 0.63 requests/s against 0.35 and used
+    1.3 times less of the machine's CPU; a cached prompt's time to the first token grew, 0.44 s against
+    0.13 s (the HTTP server and the engine share one interpreter). Without it vLLM's CPU platform uses
+    its multiprocess executor, which pins its OpenMP threads to cores (vLLM's reason for not offering one
+    process there); only 2 cores were measured, so one process stays an option, not the default.
     """
     venv = env.require_ready(venv)
     running = read_state()
