@@ -42,9 +42,10 @@ def start(model: str = typer.Option(..., help="a bundled alias, see `kvprobe mod
           eager: bool = typer.Option(False, "--eager", help="vLLM's --enforce-eager: no torch.compile at start-up "
                                      "(40-60 s instead of 100-160 s for SmolLM2 on 2 cores; serves slower)"),
           one_process: bool = typer.Option(
-              False, "--one-process", help="vLLM's engine in the server's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0): "
-              "no engine-core and worker processes spinning on a core; on 2 cores it started and served a full prefill "
-              "1.6-1.8x faster, a cached prompt's first token came later (benchmarks/vllm_one_process.py)")) -> None:
+              False, "--one-process", help="vLLM's engine in the server's own process "
+              "(VLLM_ENABLE_V1_MULTIPROCESSING=0): no engine-core and worker processes spinning on a core; on 2 "
+              "cores it started and served a full prefill 1.6-1.8x faster, a cached prompt's first token came later "
+              "(benchmarks/vllm_one_process.py)")) -> None:
     """Start the vLLM OpenAI server for MODEL on 127.0.0.1 (a free port) and wait until it is healthy."""
     import time
 
