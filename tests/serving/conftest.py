@@ -50,6 +50,7 @@ class FakeVllm:
         self.blocks: set[tuple] = set()
         self.queries = self.hits = 0
         self.completions = 0
+        self.bodies: list[dict] = []  # every completion request's JSON body, as received
         self.lock = threading.Lock()
         fake = self
 
@@ -120,6 +121,8 @@ class FakeVllm:
                         threading.Thread(target=fake.close, daemon=True).start()
 
             def _completion(self, body):
+                with fake.lock:
+                    fake.bodies.append(body)
                 prompt = body["prompt"]
                 cached = fake.prefill(prompt)
                 answer = " yes" if sum(prompt) % 2 == 0 else " no"

@@ -497,6 +497,20 @@ def test_fire_respects_the_time_bound(fake_vllm):
     assert sent[1] >= 0.05 and all(math.isnan(s) for s in sent[3:]) and 0 < wall < 5
 
 
+def test_a_completion_sends_its_token_ids_as_the_prompt(fake_vllm):
+    """The ids go in the request body's ``prompt`` as the JSON list given (they travel in the openai
+    client's ``extra_body``, past its per-id transform), with the request's other fields."""
+    from kvprobe.serving.client import stream_completion
+
+    fake = fake_vllm()
+    ids = [7, 0, 151643, 3, 3]
+    got = stream_completion(fake.url, MODEL, ids, max_tokens=2)
+    assert got.error is None and got.prompt_tokens == len(ids)
+    (body,) = fake.bodies
+    assert body["prompt"] == ids and body["model"] == MODEL and body["max_tokens"] == 2 and body["stream"] is True
+    assert body["temperature"] == 0.0 and body["stream_options"] == {"include_usage": True}
+
+
 # -- one-line errors --------------------------------------------------------------------------------
 def kvprobe(*args, home=None) -> subprocess.CompletedProcess:
     env = {**os.environ, **({"KVPROBE_HOME": str(home)} if home else {})}

@@ -156,9 +156,12 @@ def stream_completion(url: str, model: str, prompt: list[int], max_tokens: int =
     t0 = time.perf_counter()
 
     def send():
+        # The ids travel in ``extra_body`` (sent as given), not as ``prompt=``: the client's request
+        # transform walks a list of ids one id at a time, 13.8 ms for 1500 ids on a Zen 4, inside the
+        # time to the first token measured here; either way the server gets the same JSON list.
         stream = client(url).with_options(timeout=timeout).completions.create(
-            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
-            stream_options={"include_usage": True})
+            model=model, prompt="", extra_body={"prompt": list(prompt)}, max_tokens=max_tokens, temperature=0.0,
+            stream=True, stream_options={"include_usage": True})
         pieces = []
         for chunk in stream:
             if chunk.choices:
