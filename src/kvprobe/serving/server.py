@@ -192,6 +192,10 @@ def start(alias: str, *, owner: str = "serve start", block_size: int = BLOCK_SIZ
     0.13 s (the HTTP server and the engine share one interpreter). Without it vLLM's CPU platform uses
     its multiprocess executor, which pins its OpenMP threads to cores (vLLM's reason for not offering one
     process there); only 2 cores were measured, so one process stays an option, not the default.
+
+    A server that a command starts for its own use (``owner`` other than "serve start") is tied to
+    that command's process: it gets SIGTERM if the command dies. Raises a one-line error, with the
+    tail of the server's log, when the server exits or stays unhealthy past ``timeout_s``.
     """
     venv = env.require_ready(venv)
     running = read_state()
