@@ -147,20 +147,24 @@ def test_generate_stops_at_a_stop_string():
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_a_user_loaded_model_and_nnsight_give_the_spec_paths_logits(cases, attn):
-    """The bundled smollm2-135m by spec, and its folder loaded by transformers and wrapped by
-    nnsight, under the same attention implementation: the same decision logits for every repair.
-    (Eager and sdpa kernels differ by about 2.5e-5 on this model, with or without kvprobe. A spec
-    loaded with eager attention runs kvprobe's grouped eager attention, kvprobe.models.attention,
-    while a model the user loaded keeps transformers' own: the same arithmetic in another order,
-    1.8e-5 apart here, so both paths are held to 5e-5.)"""
+    """A model by spec, and its folder loaded by transformers and wrapped by nnsight (both its
+    classes), under the same attention implementation: the same decision logits for every repair.
+    The shipped toy-llama (a LlamaForCausalLM, as SmolLM2-135M is) shows it through the same code
+    paths; this test ran on SmolLM2 until session 37, at 11 s a case against under 1 s
+    (docs/testing.md). A spec loaded with eager attention runs kvprobe's grouped eager attention,
+    kvprobe.models.attention, while a model the user loaded keeps transformers' own: the same
+    arithmetic in another order, 2.9e-6 apart on the toy (sdpa 3.8e-6; Zen 4), so both paths are
+    held to 2e-5 (a 0.1% change to one weight matrix of the user's model moves them by 1e-4; on
+    SmolLM2 the paths were 1.8e-5 apart and held to 5e-5). nnsight with the real SmolLM2 stays in
+    tests/probes/test_crosscheck.py (a KV patch against nnsight's)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvprobe.models import fetch
+    from kvprobe.models import toy_folder
 
     nnsight = pytest.importorskip("nnsight")
     case = next(c for c in cases if not c.control)
-    folder = fetch("smollm2-135m")
-    by_spec = kvprobe.load("smollm2-135m", attn=attn)
+    folder = toy_folder.shipped_dir("llama")
+    by_spec = kvprobe.load("toy-llama", attn=attn)
     model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     with warnings.catch_warnings():
@@ -174,7 +178,7 @@ def test_a_user_loaded_model_and_nnsight_give_the_spec_paths_logits(cases, attn)
     for lm in (kvprobe.load(model, tokenizer), kvprobe.load(wrapped), kvprobe.load(current)):
         for s, logits in ref.items():
             got = context_of(lm, case).edit(strategy=s, **{case.field: case.new_value}).logits
-            assert (got - logits).abs().max().item() <= 5e-5, (s, (got - logits).abs().max().item())
+            assert (got - logits).abs().max().item() <= 2e-5, (s, (got - logits).abs().max().item())
 
 
 def test_unsupported_models_are_refused_in_one_line():
