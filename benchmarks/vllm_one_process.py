@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import tempfile
 import time
@@ -35,7 +36,7 @@ def busy_cpu_s() -> float:
     """The whole machine's busy CPU seconds so far (Linux)."""
     fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
     user, nice, system, idle, iowait, irq, softirq, steal = fields[:8]
-    return (user + nice + system + irq + softirq + steal) / 100.0
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def one_run(model: str, one_process: bool, eager: bool, n: int, out: Path) -> dict:
