@@ -67,15 +67,23 @@ def client(url: str, timeout: float = REQUEST_TIMEOUT_S) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=timeout)
 
 
+@functools.lru_cache(maxsize=1)
+def _http() -> httpx.Client:
+    """One ``httpx`` client for the plain GETs (``/metrics``, ``/version``; thread-safe, its connections
+    kept). ``httpx.get`` builds a client, and with it a TLS context, per call: 24.5 against 3.0 ms of CPU
+    a request on a Zen 4, and serve-bench reads ``/metrics`` around every request it times."""
+    return httpx.Client()
+
+
 def get_text(url: str, timeout: float = 10.0) -> str:
-    r = httpx.get(url, timeout=timeout)
+    r = _http().get(url, timeout=timeout)
     r.raise_for_status()
     return r.text
 
 
 def get_json(url: str, timeout: float = 10.0) -> dict:
     try:
-        return httpx.get(url, timeout=timeout).raise_for_status().json()
+        return _http().get(url, timeout=timeout).raise_for_status().json()
     except (httpx.HTTPError, ValueError) as exc:
         raise OSError(str(exc)) from None
 
