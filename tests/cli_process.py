@@ -54,7 +54,7 @@ import kvprobe.serving.agent  # noqa: F401  serve-bench's modules and the openai
 assert "kvprobe.serving.env" not in sys.modules  # it sets an environment variable when imported
 from kvprobe.models.adapter import families
 # torch registers each operator library with weakref.finalize(atexit=True): every child would spend
-# 0.03-0.05 s at exit taking them out of a dispatcher that dies with it (9.5 CPU s over the suite's
+# 0.03-0.05 s at exit taking them out of a dispatcher that dies with it (9.5 CPU s in the suite's
 # 280 calls, Zen 4). Children exit without it; nothing they run sees the difference.
 import weakref, torch.library  # noqa: E401
 for fin in list(weakref.finalize._registry):
